@@ -1,0 +1,43 @@
+"""ft-proxy's vLLM general plugin.
+
+vLLM calls :func:`register` in every one of its processes (API server,
+engine core, workers) through the ``vllm.general_plugins`` entry point. Each
+part is off unless its environment variable is set, patches only what exists
+in the process it runs in, and is idempotent (vLLM may load plugins twice):
+
+=================================  =======================================
+``FTPROXY_STATUS_PUB=tcp://h:p``   status publisher (API-server process)
+``FTPROXY_FAULT_INJECT=rank=1;..`` fault injection (worker process)
+``FTPROXY_CPU_RIG=1``              CPU shims so DP+MoE FT runs on CPU
+``FTPROXY_RESUME_AFTER_RECOVERY``  resume requests after recovery
+=================================  =======================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("ftproxy.engine_ext")
+
+
+def register() -> None:
+    """Entry point: switch on the parts whose environment variables are set."""
+    if os.environ.get("FTPROXY_CPU_RIG") == "1":
+        from engine_ext import cpu_rig
+
+        cpu_rig.install()
+    spec = os.environ.get("FTPROXY_FAULT_INJECT")
+    if spec:
+        from engine_ext import fault_inject
+
+        fault_inject.install(fault_inject.parse_spec(spec))
+    address = os.environ.get("FTPROXY_STATUS_PUB")
+    if address:
+        from engine_ext import status_pub
+
+        status_pub.install(address)
+    if os.environ.get("FTPROXY_RESUME_AFTER_RECOVERY") == "1":
+        from engine_ext import resume
+
+        resume.install()

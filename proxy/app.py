@@ -1,0 +1,127 @@
+"""``build_app(settings)``: routes, middlewares and background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy import models
+from proxy.errors import NotFound, ProxyError, error_response
+from proxy.feed import Poller, PushFeed
+from proxy.inbound import check_api_key, read_body, read_json
+from proxy.metrics import Metrics
+from proxy.ranks import RankTable
+from proxy.relay import Outbound, Relay
+from proxy.settings import Settings
+from proxy.upstream import make_session, request_headers
+
+log = logging.getLogger("ftproxy.app")
+
+SETTINGS = web.AppKey("settings", Settings)
+TABLE = web.AppKey("table", RankTable)
+METRICS = web.AppKey("metrics", Metrics)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+RELAY = web.AppKey("relay", Relay)
+REQUEST_ID = "ftproxy_request_id"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give every request an id; answer ProxyErrors in the OpenAI shape."""
+    request_id = request.headers.get("X-Request-Id") or f"ftp-{uuid.uuid4().hex[:16]}"
+    request[REQUEST_ID] = request_id
+    try:
+        resp = await handler(request)
+    except ProxyError as err:
+        log.info("[%s] %s %s -> %d %s", request_id, request.method, request.path,
+                 err.status, err.message)  # fmt: skip
+        resp = error_response(err)
+    except web.HTTPNotFound:
+        resp = error_response(NotFound(f"no route for {request.method} {request.path}"))
+    if not resp.prepared:
+        resp.headers["X-Request-Id"] = request_id
+    return resp
+
+
+async def proxy_v1(request: web.Request) -> web.StreamResponse:
+    """Every ``/v1/*`` call except the model list: to one healthy rank."""
+    settings = request.app[SETTINGS]
+    check_api_key(request, settings.api_keys)
+    max_bytes = settings.limits.max_body_bytes
+    if request.method in ("POST", "PUT", "PATCH"):
+        body, _ = await read_json(request, max_bytes)
+    else:
+        body = await read_body(request, max_bytes)
+    request_id = request[REQUEST_ID]
+    headers = request_headers(request.headers, request_id, strip_auth=bool(settings.api_keys))
+    out = Outbound(request.method, request.path_qs, headers, body, request_id)
+    return await request.app[RELAY].forward(request, out)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    check_api_key(request, request.app[SETTINGS].api_keys)
+    timeout = request.app[SETTINGS].timeouts.poll_timeout_s
+    merged = await models.gather(request.app[SESSION], request.app[TABLE], timeout)
+    return web.json_response(merged)
+
+
+async def health(request: web.Request) -> web.Response:
+    ok = request.app[TABLE].any_routable()
+    return web.json_response({"status": "ok" if ok else "no routable rank"},
+                             status=200 if ok else 503)  # fmt: skip
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+
+def _background(
+    key: str, make: Callable[[web.Application], Coroutine[Any, Any, None]]
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup_ctx that runs a task for the app's life, then cancels it."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(make(app), name=key)
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return ctx
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    session = make_session(app[SETTINGS].timeouts)
+    app[SESSION] = session
+    app[RELAY] = Relay(app[TABLE], session, app[SETTINGS], app[METRICS])
+    yield
+    await session.close()
+
+
+def build_app(settings: Settings) -> web.Application:
+    app = web.Application(
+        middlewares=[errors_middleware], client_max_size=settings.limits.max_body_bytes
+    )
+    app[SETTINGS] = settings
+    app[TABLE] = table = RankTable(settings.groups)
+    app[METRICS] = Metrics(table)
+    app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_background(
+        "poller", lambda a: Poller(a[TABLE], a[SESSION], settings.timeouts).run()))
+    app.cleanup_ctx.append(_background(
+        "push-feed", lambda a: PushFeed(a[TABLE], settings.timeouts).run()))  # fmt: skip
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_route("*", "/v1/{tail:.*}", proxy_v1)
+    return app

@@ -1,0 +1,69 @@
+"""The proxy's error tree and the OpenAI error shape.
+
+Low-level errors (aiohttp, JSON, ZMQ) are translated at the boundary where
+they occur into one of these, so handlers deal with a small, known set::
+
+    ProxyError                  any error answered to a client
+    ├── BadRequest              400 invalid JSON, wrong content type, ...
+    ├── PayloadTooLarge         413 body over limits.max_body_bytes
+    ├── Unauthorized            401 missing or wrong API key / admin token
+    ├── NotFound                404
+    ├── NoHealthyRank           503 nothing routable within the queue timeout
+    └── UpstreamFailed          502 every attempt failed before the first byte
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+class ProxyError(Exception):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+    headers: dict[str, str] = {}
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(ProxyError):
+    status, type, code = 400, "invalid_request_error", "bad_request"
+
+
+class PayloadTooLarge(ProxyError):
+    status, type, code = 413, "invalid_request_error", "payload_too_large"
+
+
+class Unauthorized(ProxyError):
+    status, type, code = 401, "authentication_error", "unauthorized"
+
+
+class NotFound(ProxyError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class NoHealthyRank(ProxyError):
+    status, type, code = 503, "server_error", "no_healthy_rank"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+class UpstreamFailed(ProxyError):
+    status, type, code = 502, "server_error", "upstream_failed"
+
+
+def error_body(message: str, type_: str, code: str) -> dict[str, dict[str, str]]:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def error_response(err: ProxyError) -> web.Response:
+    body = json.dumps(error_body(err.message, err.type, err.code))
+    return web.Response(
+        status=err.status, text=body, content_type="application/json", headers=err.headers
+    )

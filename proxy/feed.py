@@ -1,0 +1,148 @@
+"""Status feeds that write the rank table: HTTP polling and ZMQ push.
+
+Polling reads ``GET /fault_tolerance/status`` (vLLM's FT endpoint) and works
+with unmodified vLLM; a rank without it (404) falls back to ``GET /health``.
+The push feed subscribes to the engine plugin's status publisher
+(:mod:`engine_ext.protocol`) and learns of a fault in milliseconds; a rank
+whose feed falls silent for a few heartbeat intervals is made not routable
+until a poll or push says otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from engine_ext import protocol
+from proxy.ranks import HEALTHY, UNHEALTHY, UNKNOWN, Rank, RankTable
+from proxy.settings import Timeouts
+
+log = logging.getLogger("ftproxy.feed")
+
+
+def summarize(body: Any) -> tuple[str, dict[str, Any]]:
+    """Reduce an FT status body to one status for the rank, tolerantly.
+
+    A rank's API server normally manages one engine; if it lists several, the
+    rank is healthy only when all are, else it takes the first other status.
+    Unknown statuses are kept verbatim (and so are not routable).
+    """
+    engines = body.get("engines") if isinstance(body, dict) else None
+    if not isinstance(engines, list) or not engines:
+        return UNKNOWN, {"body": body}
+    entries = [e for e in engines if isinstance(e, dict)]
+    for entry in entries:
+        status = str(entry.get("status", UNKNOWN)).lower()
+        if status != HEALTHY:
+            return status, entry
+    return (HEALTHY, entries[0]) if entries else (UNKNOWN, {"body": body})
+
+
+class Poller:
+    """One task per rank: poll its FT status every interval."""
+
+    def __init__(self, table: RankTable, session: aiohttp.ClientSession, t: Timeouts) -> None:
+        self.table, self.session, self.t = table, session, t
+        self._no_ft: set[str] = set()  # ranks whose FT endpoint answered 404
+
+    async def run(self) -> None:
+        tasks: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for rank in list(self.table):
+                    if rank.name not in tasks:
+                        tasks[rank.name] = asyncio.create_task(self._poll_forever(rank.name))
+                for gone in set(tasks) - set(self.table.ranks):
+                    tasks.pop(gone).cancel()
+                await asyncio.sleep(self.t.poll_interval_s)
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    async def _poll_forever(self, name: str) -> None:
+        while (rank := self.table.ranks.get(name)) is not None:
+            await self.poll_once(rank)
+            await asyncio.sleep(self.t.poll_interval_s)
+
+    async def poll_once(self, rank: Rank) -> None:
+        sent_at = time.time()  # the answer is at least as fresh as this
+        try:
+            status, detail = await self._read_status(rank)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            reason = f"poll failed: {type(e).__name__}"
+            self.table.observe(rank.name, sent_at, "poll", reachable=False, reason=reason)
+            return
+        self.table.observe(rank.name, sent_at, "poll", reachable=True, status=status, detail=detail)
+
+    async def _read_status(self, rank: Rank) -> tuple[str, dict[str, Any]]:
+        timeout = aiohttp.ClientTimeout(total=self.t.poll_timeout_s)
+        if rank.name not in self._no_ft:
+            async with self.session.get(rank.url + "/fault_tolerance/status", timeout=timeout) as r:
+                if r.status == 200:
+                    return summarize(await r.json(content_type=None))
+                if r.status != 404:
+                    return UNHEALTHY, {"http_status": r.status}
+            self._no_ft.add(rank.name)
+            log.info("rank %s has no FT endpoint; using /health", rank.name)
+        async with self.session.get(rank.url + "/health", timeout=timeout) as r:
+            return (HEALTHY if r.status == 200 else UNHEALTHY), {"http_status": r.status}
+
+
+class PushFeed:
+    """One ZMQ subscriber per rank with a ``status_feed`` address."""
+
+    def __init__(self, table: RankTable, t: Timeouts) -> None:
+        self.table, self.t = table, t
+
+    async def run(self) -> None:
+        tasks = [
+            asyncio.create_task(self._subscribe(r.name, r.status_feed))
+            for r in self.table
+            if r.status_feed
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _subscribe(self, name: str, address: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, protocol.TOPIC)
+        sock.connect(address)
+        silence_s = protocol.HEARTBEAT_INTERVAL_S * self.t.feed_silence_intervals
+        try:
+            while True:
+                if await sock.poll(timeout=int(silence_s * 1000)):
+                    self._apply(name, protocol.decode(await sock.recv_multipart()))
+                else:
+                    self._silent(name, silence_s)
+        finally:
+            with contextlib.suppress(Exception):
+                sock.close()
+
+    def _apply(self, name: str, msg: dict[str, Any] | None) -> None:
+        if msg is None:
+            return
+        status, detail = summarize(msg)
+        # Observation time is our receive time: the publisher's clock may
+        # differ, and a push is never older than the poll answer before it.
+        self.table.observe(name, time.time(), "push", reachable=True, status=status, detail=detail)
+
+    def _silent(self, name: str, silence_s: float) -> None:
+        rank = self.table.ranks.get(name)
+        if rank is not None and rank.source != "poll" and rank.reachable:
+            reason = f"status feed silent for {silence_s:.1f}s"
+            self.table.observe(name, time.time(), "push", reachable=False, reason=reason)

@@ -1,0 +1,70 @@
+"""Prometheus metrics, one registry per app (no process-global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proxy.ranks import RankTable
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _RankStatusCollector(Collector):
+    """Reads the rank table at scrape time, so it can never go stale."""
+
+    def __init__(self, table: RankTable) -> None:
+        self.table = table
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        status = GaugeMetricFamily(
+            "ftproxy_rank_status", "1 for the rank's current FT status", labels=["rank", "status"]
+        )
+        routable = GaugeMetricFamily(
+            "ftproxy_rank_routable", "1 if new requests may go to the rank", labels=["rank"]
+        )
+        in_flight = GaugeMetricFamily(
+            "ftproxy_in_flight", "Requests in flight to the rank", labels=["rank"]
+        )
+        for r in self.table:
+            status.add_metric([r.name, r.status], 1)
+            routable.add_metric([r.name], 1 if r.routable else 0)
+            in_flight.add_metric([r.name], r.in_flight)
+        yield status
+        yield routable
+        yield in_flight
+
+
+class Metrics:
+    def __init__(self, table: RankTable) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "ftproxy_requests", "Requests answered, by rank and HTTP code",
+            ["rank", "code"], registry=r,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            "ftproxy_upstream_errors", "Attempts that failed before the first byte",
+            ["rank", "kind"], registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "ftproxy_upstream_latency_seconds", "Upstream request duration, to the last byte",
+            ["rank"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttfb = Histogram(
+            "ftproxy_upstream_ttfb_seconds", "Upstream time to first byte",
+            ["rank"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queued = Gauge(
+            "ftproxy_queued_requests", "Requests waiting for a healthy rank", registry=r
+        )
+        self.no_rank = Counter(
+            "ftproxy_no_healthy_rank", "Requests answered 503: no healthy rank in time", registry=r
+        )
+        r.register(_RankStatusCollector(table))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

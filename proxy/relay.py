@@ -1,0 +1,157 @@
+"""Forward a client request to a healthy rank and relay the answer.
+
+The balancer decides where; this module sends, retries before the first byte,
+and relays. Streams are written to the client chunk by chunk as they arrive
+(``await write`` applies backpressure; nothing is buffered whole). If the
+client goes away, the handler is cancelled and the upstream connection is
+closed at once, which makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.balancer import SmoothWeightedBalancer
+from proxy.errors import NoHealthyRank, UpstreamFailed
+from proxy.metrics import Metrics
+from proxy.ranks import Rank, RankTable
+from proxy.settings import Settings
+from proxy.upstream import response_headers
+
+log = logging.getLogger("ftproxy.relay")
+
+# Errors that mean "this rank did not take the request": safe to send elsewhere.
+_CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+
+
+@dataclass
+class Outbound:
+    """A client request as it will be sent upstream."""
+
+    method: str
+    path_qs: str
+    headers: CIMultiDict[str]
+    body: bytes
+    request_id: str
+
+
+@dataclass
+class Attempt:
+    rank: Rank
+    response: aiohttp.ClientResponse
+    started: float
+
+
+class Relay:
+    def __init__(
+        self,
+        table: RankTable,
+        session: aiohttp.ClientSession,
+        settings: Settings,
+        metrics: Metrics,
+    ) -> None:
+        self.table, self.session, self.metrics = table, session, metrics
+        self.settings = settings
+        self.balancer = SmoothWeightedBalancer()
+
+    async def forward(self, request: web.Request, out: Outbound) -> web.StreamResponse:
+        attempt = await self.open(out)
+        rank = attempt.rank
+        rank.in_flight += 1
+        try:
+            reply = await self._relay(request, attempt)
+        finally:
+            rank.in_flight -= 1
+        self.metrics.requests.labels(rank.name, str(attempt.response.status)).inc()
+        self.metrics.latency.labels(rank.name).observe(time.monotonic() - attempt.started)
+        return reply
+
+    async def open(self, out: Outbound) -> Attempt:
+        """Send to a healthy rank; before the first byte, retry on another."""
+        tried: set[str] = set()
+        failures: list[str] = []
+        for _ in range(1 + self.settings.limits.upstream_retries):
+            rank = await self._pick(frozenset(tried))
+            if rank is None:
+                break
+            tried.add(rank.name)
+            attempt = await self._try(rank, out, failures)
+            if attempt is None:
+                continue
+            if attempt.response.status < 500 or not self._has_other(tried):
+                return attempt
+            failures.append(f"{rank.name}: HTTP {attempt.response.status}")
+            self.metrics.upstream_errors.labels(rank.name, "http_5xx").inc()
+            attempt.response.release()
+        raise UpstreamFailed("no rank could take the request: " + "; ".join(failures))
+
+    async def _try(self, rank: Rank, out: Outbound, failures: list[str]) -> Attempt | None:
+        started = time.monotonic()
+        try:
+            resp = await self.session.request(
+                out.method, rank.url + out.path_qs, headers=out.headers, data=out.body
+            )
+        except _CONNECT_ERRORS as e:
+            failures.append(f"{rank.name}: {type(e).__name__}")
+            self.metrics.upstream_errors.labels(rank.name, "connect").inc()
+            # Passive signal: stop routing here until a poll or push says otherwise.
+            self.table.observe(
+                rank.name, time.time(), "relay", reachable=False, reason=f"request failed: {e}"
+            )
+            log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
+            return None
+        self.metrics.ttfb.labels(rank.name).observe(time.monotonic() - started)
+        return Attempt(rank, resp, started)
+
+    def _has_other(self, tried: set[str]) -> bool:
+        return any(r.routable and r.name not in tried for r in self.table)
+
+    async def _pick(self, exclude: frozenset[str]) -> Rank | None:
+        rank = self.balancer.pick(self.table, exclude)
+        if rank is not None or exclude:
+            return rank  # a retry never waits: it has somewhere else to fail over to
+        queue_s = self.settings.timeouts.queue_s
+        self.metrics.queued.inc()
+        try:
+            await self.table.wait_for(self.table.any_routable, queue_s)
+        finally:
+            self.metrics.queued.dec()
+        rank = self.balancer.pick(self.table, exclude)
+        if rank is None:
+            self.metrics.no_rank.inc()
+            raise NoHealthyRank(
+                f"no healthy rank within {queue_s:.0f}s", retry_after_s=max(1, round(queue_s))
+            )
+        return rank
+
+    async def _relay(self, request: web.Request, attempt: Attempt) -> web.StreamResponse:
+        up = attempt.response
+        if up.content_type != "text/event-stream":
+            try:
+                body = await up.read()
+            finally:
+                up.release()
+            return web.Response(body=body, status=up.status, headers=response_headers(up.headers))
+        return await self._stream(request, up)
+
+    async def _stream(self, request: web.Request, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        resp = web.StreamResponse(status=up.status, headers=response_headers(up.headers))
+        complete = False
+        try:
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            complete = True
+        finally:
+            # Incomplete (client gone, cancelled, error): close, never pool,
+            # so the rank sees the disconnect and aborts the request.
+            up.release() if complete else up.close()
+        return resp

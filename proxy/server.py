@@ -1,0 +1,60 @@
+"""Run the app: one function for the CLI and for tests, so both are alike."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.settings import Settings
+
+log = logging.getLogger("ftproxy.server")
+
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Running:
+    runner: web.AppRunner
+    app: web.Application
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start(settings: Settings) -> Running:
+    """Start listening (port 0 picks a free port) and return the handle."""
+    app = build_app(settings)
+    # handler_cancellation: a client that disconnects cancels its handler,
+    # which closes the upstream request at once.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, settings.listen.host, settings.listen.port, backlog=1024)
+    await site.start()
+    port = runner.addresses[0][1]
+    return Running(runner, app, port)
+
+
+async def serve_forever(settings: Settings) -> None:
+    running = await start(settings)
+    log.info("ft-proxy listening on http://%s:%d", settings.listen.host, running.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("ft-proxy shutting down")
+        await running.stop()

@@ -1,0 +1,122 @@
+"""Settings: one YAML file, overridden by ``FTPROXY_*`` environment variables.
+
+Loaded once by :func:`load_settings` and passed down; nothing reads the
+environment or the file anywhere else. Nested keys use ``__`` in the
+environment, e.g. ``FTPROXY_LISTEN__PORT=9000`` or ``FTPROXY_ADMIN__TOKEN``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names file and field."""
+
+
+class Listen(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class RankConfig(BaseModel):
+    name: str = Field(min_length=1)
+    url: str
+    weight: int = Field(1, ge=0)
+    # ZMQ address of the engine plugin's status publisher, e.g. tcp://h:5570.
+    status_feed: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class GroupConfig(BaseModel):
+    name: str = Field(min_length=1)
+    ranks: list[RankConfig] = Field(min_length=1)
+
+
+class Timeouts(BaseModel):
+    poll_interval_s: float = Field(0.25, gt=0, le=0.5)
+    poll_timeout_s: float = Field(1.0, gt=0)
+    connect_s: float = Field(2.0, gt=0)
+    # How long a new request waits for a healthy rank before 503.
+    queue_s: float = Field(30.0, ge=0)
+    # Missing heartbeats for this many publisher intervals: rank not routable.
+    feed_silence_intervals: int = Field(3, ge=1)
+
+
+class Limits(BaseModel):
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # Extra ranks tried when a rank fails before the first byte is sent.
+    upstream_retries: int = Field(2, ge=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="FTPROXY_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    listen: Listen = Listen()
+    groups: list[GroupConfig] = Field(min_length=1)
+    timeouts: Timeouts = Timeouts()
+    limits: Limits = Limits()
+    # Optional data-plane API keys (Authorization: Bearer <key>).
+    api_keys: list[SecretStr] = []
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Settings:
+        names = [r.name for g in self.groups for r in g.ranks]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"rank names must be unique, repeated: {', '.join(dupes)}")
+        groups = [g.name for g in self.groups]
+        if len(set(groups)) != len(groups):
+            raise ValueError("group names must be unique")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment beats the file (which arrives as init kwargs).
+        return env_settings, init_settings
+
+
+def load_settings(path: Path | str) -> Settings:
+    """Read and validate the YAML file; raise ConfigError with a clear message."""
+    path = Path(path)
+    try:
+        data: Any = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    try:
+        return Settings(**data)
+    except ValidationError as e:
+        raise ConfigError(f"{path}: {_describe(e)}") from None
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        lines.append(f"field '{where}': {item['msg']}")
+    return "; ".join(lines)

@@ -1,0 +1,49 @@
+"""The one HTTP client the proxy uses to talk to ranks, and header hygiene.
+
+Upstream only sends and closes; which rank to use is the balancer's call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import aiohttp
+from multidict import CIMultiDict
+
+from proxy.settings import Timeouts
+
+# RFC 9110 hop-by-hop headers, plus those aiohttp recomputes itself.
+_HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
+    )
+)  # fmt: skip
+
+
+def make_session(t: Timeouts) -> aiohttp.ClientSession:
+    # limit=0: the balancer bounds work, not the pool; no decompression so
+    # bytes reach the client exactly as the rank sent them.
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=timeout, auto_decompress=False, trust_env=False
+    )
+
+
+def request_headers(
+    incoming: Mapping[str, str], request_id: str, strip_auth: bool
+) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in incoming.items():
+        lk = k.lower()
+        if lk in _HOP_BY_HOP or (strip_auth and lk == "authorization"):
+            continue
+        out.add(k, v)
+    out["X-Request-Id"] = request_id
+    return out
+
+
+def response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in _HOP_BY_HOP)
