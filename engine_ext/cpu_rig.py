@@ -33,7 +33,7 @@ def install() -> None:
         CpuCommunicator,
     )
 
-    CpuCommunicator.all_gatherv = _all_gatherv  # type: ignore[method-assign,assignment]
+    CpuCommunicator.all_gatherv = _all_gatherv  # type: ignore[method-assign]
     CpuCommunicator.reduce_scatterv = _reduce_scatterv  # type: ignore[method-assign]
     all2all.AgRsAll2AllManager.clean_buffers = _no_buffers  # type: ignore[method-assign]
     _INSTALLED = True
@@ -78,17 +78,13 @@ def _gatherv_one(comm: Any, tensor: Any, dim: int, sizes: list[int] | None) -> A
     return joined.movedim(0, dim).contiguous()
 
 
-def _all_gatherv(
-    self: Any, input_: Any, dim: int = 0, sizes: list[int] | None = None
-) -> Any:
+def _all_gatherv(self: Any, input_: Any, dim: int = 0, sizes: list[int] | None = None) -> Any:
     if isinstance(input_, list):
         return [_gatherv_one(self, t, dim, sizes) for t in input_]
     return _gatherv_one(self, input_, dim, sizes)
 
 
-def _reduce_scatterv(
-    self: Any, input_: Any, dim: int = -1, sizes: list[int] | None = None
-) -> Any:
+def _reduce_scatterv(self: Any, input_: Any, dim: int = -1, sizes: list[int] | None = None) -> Any:
     import torch
     import torch.distributed as dist
 

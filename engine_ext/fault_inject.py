@@ -75,7 +75,7 @@ def install(plan: FaultPlan) -> None:
 
     def run_ar_with_faults(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        parallel_config = kwargs.get("parallel_config", args[4] if len(args) > 4 else None)
+        parallel_config = kwargs["parallel_config"] if len(args) < 5 else args[4]
         if _should_fault(plan, parallel_config.data_parallel_rank):
             log.warning("ftproxy: injecting fault at DP step %d", plan.calls)
             raise RuntimeError(f"ftproxy injected fault at DP step {plan.calls}")

@@ -34,8 +34,14 @@ HEARTBEAT_INTERVAL_S = 0.5
 def encode(
     kind: str, boot_id: str, seq: int, ts: float, engines: list[dict[str, Any]]
 ) -> list[bytes]:
-    body = {"v": VERSION, "kind": kind, "boot_id": boot_id, "seq": seq, "ts": ts,
-            "engines": engines}
+    body = {
+        "v": VERSION,
+        "kind": kind,
+        "boot_id": boot_id,
+        "seq": seq,
+        "ts": ts,
+        "engines": engines,
+    }
     return [TOPIC, json.dumps(body, separators=(",", ":")).encode()]
 
 

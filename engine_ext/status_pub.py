@@ -45,7 +45,7 @@ class Publisher:
     def _run(self) -> None:
         import zmq
 
-        sock = zmq.Context.instance().socket(zmq.PUB)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.address)
         log.info("ftproxy status publisher bound at %s", self.address)
@@ -93,5 +93,5 @@ def install(address: str) -> None:
             holder["pub"] = Publisher(address)
         self._engine_status = PublishingStatus(self._engine_status, holder["pub"])
 
-    AsyncMPClient.__init__ = init_with_publisher  # type: ignore[method-assign]
+    AsyncMPClient.__init__ = init_with_publisher
     _INSTALLED = True

@@ -29,7 +29,7 @@ TABLE = web.AppKey("table", RankTable)
 METRICS = web.AppKey("metrics", Metrics)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 RELAY = web.AppKey("relay", Relay)
-REQUEST_ID = "ftproxy_request_id"
+REQUEST_ID = web.RequestKey("request_id", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -116,8 +116,9 @@ def build_app(settings: Settings) -> web.Application:
     app[TABLE] = table = RankTable(settings.groups)
     app[METRICS] = Metrics(table)
     app.cleanup_ctx.append(_client_session)
-    app.cleanup_ctx.append(_background(
-        "poller", lambda a: Poller(a[TABLE], a[SESSION], settings.timeouts).run()))
+    app.cleanup_ctx.append(
+        _background("poller", lambda a: Poller(a[TABLE], a[SESSION], settings.timeouts).run())
+    )
     app.cleanup_ctx.append(_background(
         "push-feed", lambda a: PushFeed(a[TABLE], settings.timeouts).run()))  # fmt: skip
     app.router.add_get("/health", health)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -45,10 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from proxy.server import serve_forever
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         _run(serve_forever(settings))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -23,11 +23,11 @@ class ProxyError(Exception):
     status = 500
     type = "server_error"
     code = "internal_error"
-    headers: dict[str, str] = {}
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.headers = headers or {}
 
 
 class BadRequest(ProxyError):
@@ -50,8 +50,7 @@ class NoHealthyRank(ProxyError):
     status, type, code = 503, "server_error", "no_healthy_rank"
 
     def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.headers = {"Retry-After": str(retry_after_s)}
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
 
 
 class UpstreamFailed(ProxyError):

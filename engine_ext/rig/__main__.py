@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import threading
@@ -19,16 +20,18 @@ def main() -> None:
     parser.add_argument("--fault-inject", help="e.g. 'rank=1;steps=300,900'")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = RigConfig(ranks=args.ranks, base_port=args.base_port, model_dir=args.model_dir,
-                    fault_inject=args.fault_inject)
+    cfg = RigConfig(
+        ranks=args.ranks,
+        base_port=args.base_port,
+        model_dir=args.model_dir,
+        fault_inject=args.fault_inject,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with Rig(cfg):
         print("ranks ready:", ", ".join(cfg.url(r) for r in range(cfg.ranks)), flush=True)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
-        except KeyboardInterrupt:
-            pass
 
 
 if __name__ == "__main__":

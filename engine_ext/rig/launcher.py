@@ -8,6 +8,7 @@ left running. The ranks share a DP address and RPC port; ports differ.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -136,10 +137,8 @@ class Rig:
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
             # Engine-core children may outlive the API server: end the group.
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
@@ -147,10 +146,8 @@ class Rig:
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _http_ok(url: str) -> bool:

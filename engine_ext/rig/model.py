@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 SEED = 0
 VOCAB_SIZE = 320
@@ -32,7 +33,7 @@ mixture of experts. Tokens flow from the engine to the client event by event.
 0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?-'"()
 """
 
-MODEL_CONFIG = {
+MODEL_CONFIG: dict[str, Any] = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
     "vocab_size": VOCAB_SIZE,
@@ -85,12 +86,12 @@ def _write_weights(out: Path, eos_id: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    cfg = dict(MODEL_CONFIG, eos_token_id=eos_id, pad_token_id=eos_id)
+    cfg: dict[str, Any] = dict(MODEL_CONFIG, eos_token_id=eos_id, pad_token_id=eos_id)
     cfg.pop("architectures")
     cfg.pop("model_type")
     config = Qwen3MoeConfig(**cfg)
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
     model.save_pretrained(str(out))
 
 

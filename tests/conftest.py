@@ -1,0 +1,73 @@
+"""Fixtures: fake ranks on port 0 and a proxy in front of them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.ranks import RankTable
+from proxy.server import Running, start
+from proxy.settings import Settings
+from tests.fakes import FakeRank
+
+FAST_POLL_S = 0.05
+
+
+def settings_for(ranks: list[FakeRank], weights: list[int] | None = None, **extra: Any) -> Settings:
+    weights = weights or [1] * len(ranks)
+    timeouts = {"poll_interval_s": FAST_POLL_S, "queue_s": 2.0, **extra.pop("timeouts", {})}
+    return Settings(
+        listen={"host": "127.0.0.1", "port": 0},
+        groups=[{"name": "dp-a", "ranks": [
+            {"name": r.name, "url": r.url, "weight": w}
+            for r, w in zip(ranks, weights, strict=True)
+        ]}],
+        timeouts=timeouts,
+        **extra,
+    )  # fmt: skip
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[Callable[..., Awaitable[FakeRank]]]:
+    started: list[FakeRank] = []
+
+    async def make(**kw: Any) -> FakeRank:
+        rank = await FakeRank(**kw).start()
+        started.append(rank)
+        return rank
+
+    yield make
+    for r in started:
+        await r.stop()
+
+
+@pytest.fixture
+async def proxy() -> AsyncIterator[Callable[[Settings], Awaitable[Running]]]:
+    running: list[Running] = []
+
+    async def make(settings: Settings, wait_routable: bool = True) -> Running:
+        r = await start(settings)
+        running.append(r)
+        if wait_routable:
+            from proxy.app import TABLE
+
+            table: RankTable = r.app[TABLE]
+
+            def settled() -> bool:
+                return table.any_routable() and all(rank.source for rank in table)
+
+            assert await table.wait_for(settled, 5.0), "ranks were not polled in time"
+        return r
+
+    yield make
+    for r in running:
+        await r.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s

@@ -1,0 +1,230 @@
+"""In-process fake vLLM ranks that imitate the FT surface of vLLM 0.32.
+
+What they copy from the real engine (see the project's vLLM FT facts):
+``GET /fault_tolerance/status`` and ``POST /fault_tolerance/apply`` (202, then
+healthy after a delay; rejected with ``ft_error`` when not unhealthy);
+``/health`` stays 200 while unhealthy; a new request to an unhealthy rank
+hangs until recovery; an in-flight stream ends with one ``"abort"`` chunk and
+``[DONE]`` on a fault; ``return_token_ids`` adds ``prompt_token_ids`` and
+``token_ids``; a list of ids is accepted as a completions prompt.
+
+The "model" is a deterministic autoregressive function of the whole context,
+so a duplicated or lost token changes every token after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+VOCAB = 300
+
+
+def next_token(context: list[int]) -> int:
+    h = 7
+    for t in context[-8:]:
+        h = (h * 31 + t) % 1_000_003
+    return (h + len(context)) % VOCAB
+
+
+def detok(ids: list[int]) -> str:
+    return "".join(f"t{i} " for i in ids)
+
+
+def tokenize(text: str) -> list[int]:
+    """Every character is one token (ids stay below VOCAB)."""
+    return [ord(c) % VOCAB for c in text]
+
+
+def chat_prompt(messages: list[dict[str, Any]]) -> list[int]:
+    text = "".join(f"<|{m.get('role')}|>{m.get('content')}\n" for m in messages)
+    return tokenize(text + "<|assistant|>")
+
+
+@dataclass
+class FakeRank:
+    name: str = "fake"
+    status: str = "healthy"
+    token_delay_s: float = 0.0
+    recover_delay_s: float = 0.05
+    has_ft: bool = True
+    # "ok" | "reset" (close the connection without answering) | "500"
+    mode: str = "ok"
+    received: list[dict[str, Any]] = field(default_factory=list)
+    disconnects: int = 0
+    applies: list[dict[str, Any]] = field(default_factory=list)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+    _healthy: asyncio.Event = field(default_factory=asyncio.Event)
+    _faulted: asyncio.Event = field(default_factory=asyncio.Event)
+    ft_error: str | None = None
+
+    # -- control -----------------------------------------------------------
+    def fault(self, status: str = "unhealthy") -> None:
+        self.status = status
+        self._healthy.clear()
+        self._faulted.set()
+
+    def recover(self) -> None:
+        self.status = "healthy"
+        self.ft_error = None
+        self._faulted.clear()
+        self._healthy.set()
+
+    async def start(self, port: int = 0) -> FakeRank:
+        if self.status == "healthy":
+            self._healthy.set()
+        app = web.Application()
+        app.router.add_get("/fault_tolerance/status", self._status)
+        app.router.add_post("/fault_tolerance/apply", self._apply)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- FT surface --------------------------------------------------------
+    async def _status(self, request: web.Request) -> web.Response:
+        if not self.has_ft:
+            raise web.HTTPNotFound()
+        entry: dict[str, Any] = {"id": 0, "status": self.status}
+        if self.status != "healthy":
+            entry["fault_info"] = "RuntimeError"
+        if self.ft_error:
+            entry["ft_error"] = self.ft_error
+        return web.json_response({"schema_version": 1, "total_engines": 1, "engines": [entry]})
+
+    async def _apply(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.applies.append(body)
+        if self.status != "unhealthy":
+            self.ft_error = f"Rejecting retry: status is {self.status.upper()}"
+        else:
+            asyncio.get_running_loop().call_later(self.recover_delay_s, self.recover)
+        return web.json_response({"request_id": str(uuid.uuid4())}, status=202)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({})  # stays 200 while unhealthy, as vLLM does
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        )
+
+    # -- generation --------------------------------------------------------
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt = body.get("prompt", "")
+        ids = list(prompt) if isinstance(prompt, list) else tokenize(str(prompt))
+        return await self._generate(request, body, ids, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        return await self._generate(request, body, chat_prompt(body["messages"]), chat=True)
+
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], prompt: list[int], chat: bool
+    ) -> web.StreamResponse:
+        self.received.append(body)
+        if self.mode == "reset":
+            assert request.transport is not None
+            request.transport.abort()
+            raise asyncio.CancelledError
+        if self.mode == "500":
+            return web.json_response({"error": {"message": "EngineCore encountered an issue"}},
+                                     status=500)  # fmt: skip
+        await self._healthy.wait()  # a faulted engine holds new requests
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, prompt, chat)
+            return await self._whole(body, prompt, chat)
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            raise
+
+    def _tokens(self, prompt: list[int], n: int) -> list[int]:
+        ctx = list(prompt)
+        for _ in range(n):
+            ctx.append(next_token(ctx))
+        return ctx[len(prompt) :]
+
+    async def _whole(self, body: dict[str, Any], prompt: list[int], chat: bool) -> web.Response:
+        n = int(body.get("max_tokens") or 16)
+        out = self._tokens(prompt, n)
+        await asyncio.sleep(self.token_delay_s * n)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": detok(out)}
+        else:
+            choice["text"] = detok(out)
+        if body.get("return_token_ids"):
+            choice["token_ids"] = out
+        return web.json_response({
+            "id": f"cmpl-{uuid.uuid4().hex[:8]}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": body.get("model", "fake-model"),
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
+                      "total_tokens": len(prompt) + n},
+        })  # fmt: skip
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], prompt: list[int], chat: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        rid = f"cmpl-{uuid.uuid4().hex[:8]}"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        want_ids = bool(body.get("return_token_ids"))
+        ctx = list(prompt)
+        n = int(body.get("max_tokens") or 16)
+        for i in range(n):
+            if self._faulted.is_set():
+                abort = _chunk(rid, obj, chat, "", "abort", [] if want_ids else None)
+                await resp.write(_sse(abort))
+                break
+            tok = next_token(ctx)
+            ctx.append(tok)
+            finish = "length" if i == n - 1 else None
+            chunk = _chunk(rid, obj, chat, detok([tok]), finish, [tok] if want_ids else None)
+            if i == 0 and want_ids:
+                chunk["choices"][0]["prompt_token_ids"] = prompt
+            await resp.write(_sse(chunk))
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _chunk(
+    rid: str, obj: str, chat: bool, text: str, finish: str | None, ids: list[int] | None
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if chat:
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+    if ids is not None:
+        choice["token_ids"] = ids
+    return {"id": rid, "object": obj, "created": 0, "model": "fake-model", "choices": [choice]}
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"

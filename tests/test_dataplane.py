@@ -1,0 +1,239 @@
+"""The data plane against in-process fake ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import Any
+
+import aiohttp
+
+from proxy.app import TABLE
+from tests.conftest import FAST_POLL_S, settings_for
+
+
+def completion(max_tokens: int = 4, stream: bool = False, **kw: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": "hello", "max_tokens": max_tokens,
+            "stream": stream, **kw}  # fmt: skip
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
+    async with http.post(url + "/v1/completions", json=body) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def test_only_healthy_ranks_receive_requests(fakes, proxy, http) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b", status="unhealthy")
+    c = await fakes(name="c")
+    p = await proxy(settings_for([a, b, c]))
+    results = await asyncio.gather(*(post(http, p.url, completion()) for _ in range(30)))
+    assert all(code == 200 for code, _ in results)
+    assert len(b.received) == 0
+    assert len(a.received) + len(c.received) == 30
+
+
+async def test_weights_give_configured_shares(fakes, proxy, http) -> None:
+    a, b, c = [await fakes(name=n) for n in "abc"]
+    p = await proxy(settings_for([a, b, c], weights=[3, 1, 0]))
+    for _ in range(40):  # sequential: smooth WRR is then exact per 4 picks
+        assert (await post(http, p.url, completion(max_tokens=1)))[0] == 200
+    assert (len(a.received), len(b.received), len(c.received)) == (30, 10, 0)
+
+
+async def test_weights_hold_under_concurrency(fakes, proxy, http) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(settings_for([a, b], weights=[2, 1]))
+    await asyncio.gather(*(post(http, p.url, completion(max_tokens=1)) for _ in range(300)))
+    share = len(a.received) / 300
+    assert abs(share - 2 / 3) <= 0.02, share  # stated tolerance: 2 points
+
+
+async def test_rank_turning_unhealthy_is_avoided_within_one_poll(fakes, proxy, http) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(settings_for([a, b]))
+    table = p.app[TABLE]
+    b.fault()
+    # One interval plus the poll's own round trip.
+    assert await table.wait_for(lambda: not table.ranks["b"].routable, FAST_POLL_S * 2 + 0.05)
+    seen = len(b.received)
+    await asyncio.gather(*(post(http, p.url, completion()) for _ in range(10)))
+    assert len(b.received) == seen
+
+
+async def test_no_healthy_rank_waits_then_503(fakes, proxy, http) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], timeouts={"queue_s": 0.5}))
+    a.fault()
+    table = p.app[TABLE]
+    assert await table.wait_for(lambda: not table.any_routable(), 1.0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    async with http.post(p.url + "/v1/completions", json=completion()) as r:
+        body = await r.json()
+        assert r.status == 503
+        assert r.headers["Retry-After"] == "1"
+    assert loop.time() - t0 >= 0.45
+    assert body["error"]["code"] == "no_healthy_rank"
+    assert set(body["error"]) == {"message", "type", "code"}
+    assert a.received == []  # never forwarded into a hanging engine
+
+
+async def test_queued_request_is_served_when_a_rank_recovers(fakes, proxy, http) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], timeouts={"queue_s": 5.0}))
+    a.fault()
+    table = p.app[TABLE]
+    assert await table.wait_for(lambda: not table.any_routable(), 1.0)
+    pending = asyncio.create_task(post(http, p.url, completion()))
+    await asyncio.sleep(0.3)
+    assert not pending.done() and a.received == []
+    a.recover()
+    code, body = await asyncio.wait_for(pending, 3.0)
+    assert code == 200 and body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_reset_before_first_byte_retries_on_another_rank(fakes, proxy, http) -> None:
+    bad, good = await fakes(name="bad", mode="reset"), await fakes(name="good")
+    p = await proxy(settings_for([bad, good], weights=[100, 1]))
+    code, body = await post(http, p.url, completion())
+    assert code == 200 and "choices" in body
+    assert len(bad.received) == 1 and len(good.received) == 1
+    metrics = await (await http.get(p.url + "/metrics")).text()
+    assert 'ftproxy_upstream_errors_total{kind="connect",rank="bad"} 1.0' in metrics
+
+
+async def test_5xx_before_first_byte_retries_on_another_rank(fakes, proxy, http) -> None:
+    bad, good = await fakes(name="bad", mode="500"), await fakes(name="good")
+    p = await proxy(settings_for([bad, good], weights=[100, 1]))
+    code, _ = await post(http, p.url, completion())
+    assert code == 200
+    assert len(bad.received) == 1 and len(good.received) == 1
+
+
+async def test_5xx_everywhere_passes_the_last_answer_through(fakes, proxy, http) -> None:
+    a, b = await fakes(name="a", mode="500"), await fakes(name="b", mode="500")
+    p = await proxy(settings_for([a, b]))
+    code, body = await post(http, p.url, completion())
+    assert code == 500 and "EngineCore" in body["error"]["message"]
+    assert len(a.received) + len(b.received) == 2  # bounded: each rank once
+
+
+async def test_client_disconnect_closes_the_upstream_request(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.05)
+    p = await proxy(settings_for([a]))
+    async with http.post(p.url + "/v1/completions", json=completion(200, stream=True)) as r:
+        for _ in range(3):
+            await r.content.readline()
+    # The response is closed here; the fake sees its request cancelled.
+    for _ in range(40):
+        if a.disconnects:
+            break
+        await asyncio.sleep(0.05)
+    assert a.disconnects == 1
+
+
+async def test_stream_is_relayed_event_by_event(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.1)
+    p = await proxy(settings_for([a]))
+    loop = asyncio.get_running_loop()
+    async with http.post(p.url + "/v1/completions", json=completion(5, stream=True)) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        t0 = loop.time()
+        first = await r.content.readline()
+        # The first event arrives long before the stream (5 x 0.1 s) ends.
+        assert loop.time() - t0 < 0.3
+        assert first.startswith(b"data: {")
+        rest = await r.read()
+    events = [e for e in (first + rest).split(b"\n\n") if e.strip()]
+    assert len(events) == 6 and events[-1] == b"data: [DONE]"
+
+
+async def test_bad_input_gets_openai_errors_and_harms_no_one(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.01)
+    p = await proxy(settings_for([a], limits={"max_body_bytes": 1024}))
+    url = p.url + "/v1/completions"
+    stream = asyncio.create_task(post(http, p.url, completion(30, stream=False)))
+    cases = [
+        ({"data": b"{not json", "headers": {"Content-Type": "application/json"}}, 400),
+        ({"data": b"[1, 2]", "headers": {"Content-Type": "application/json"}}, 400),
+        ({"data": b"{}", "headers": {"Content-Type": "text/plain"}}, 415),
+        ({"data": b"{}"}, 415),
+        ({"json": {"prompt": "x" * 2000}}, 413),
+    ]
+    for kwargs, status in cases:
+        async with http.post(url, **kwargs) as r:
+            body = await r.json()
+            assert r.status == status, (kwargs, body)
+            assert set(body["error"]) == {"message", "type", "code"}
+            assert r.headers["X-Request-Id"]
+    async with http.get(p.url + "/v2/nothing") as r:
+        assert r.status == 404 and "error" in await r.json()
+    code, body = await stream
+    assert code == 200 and body["usage"]["completion_tokens"] == 30
+    assert len(a.received) == 1  # nothing invalid went upstream
+
+
+async def test_models_with_one_rank_down(fakes, proxy, http) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(settings_for([a, b]))
+    await b.stop()
+    for _ in range(5):
+        async with http.get(p.url + "/v1/models") as r:
+            assert r.status == 200
+            assert [m["id"] for m in (await r.json())["data"]] == ["fake-model"]
+
+
+async def test_health_follows_routability(fakes, proxy, http) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a]))
+    assert (await http.get(p.url + "/health")).status == 200
+    a.fault()
+    table = p.app[TABLE]
+    assert await table.wait_for(lambda: not table.any_routable(), 1.0)
+    assert (await http.get(p.url + "/health")).status == 503
+
+
+async def test_rank_without_ft_endpoint_falls_back_to_health(fakes, proxy, http) -> None:
+    a = await fakes(name="a", has_ft=False)
+    p = await proxy(settings_for([a]))
+    assert p.app[TABLE].ranks["a"].routable
+    assert (await post(http, p.url, completion()))[0] == 200
+
+
+async def test_metrics_expose_requests_latency_and_status(fakes, proxy, http) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b", status="unhealthy")
+    p = await proxy(settings_for([a, b]))
+    await post(http, p.url, completion())
+    text = await (await http.get(p.url + "/metrics")).text()
+    assert 'ftproxy_requests_total{code="200",rank="a"} 1.0' in text
+    assert 'ftproxy_upstream_ttfb_seconds_count{rank="a"} 1.0' in text
+    assert 'ftproxy_upstream_latency_seconds_count{rank="a"} 1.0' in text
+    assert 'ftproxy_rank_status{rank="b",status="unhealthy"} 1.0' in text
+    assert 'ftproxy_rank_routable{rank="b"} 0.0' in text
+    assert 'ftproxy_in_flight{rank="a"} 0.0' in text
+
+
+async def test_api_keys_are_required_when_configured(fakes, proxy, http) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], api_keys=["sk-test"]))
+    code, body = await post(http, p.url, completion())
+    assert code == 401 and body["error"]["type"] == "authentication_error"
+    headers = {"Authorization": "Bearer sk-test"}
+    async with http.post(p.url + "/v1/completions", json=completion(), headers=headers) as r:
+        assert r.status == 200
+    assert "authorization" not in {k.lower() for k in json.loads(json.dumps(a.received[0]))}
+
+
+async def test_sse_survives_many_concurrent_streams(fakes, proxy, http) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(settings_for([a, b]))
+
+    async def one() -> int:
+        async with http.post(p.url + "/v1/completions", json=completion(50, stream=True)) as r:
+            data = await r.read()
+        return data.count(b"data: {")
+
+    counts = await asyncio.gather(*(one() for _ in range(20)))
+    assert counts == [50] * 20
+    assert Counter(len(x.received) for x in (a, b)) == Counter({10: 2})

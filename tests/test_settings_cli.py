@@ -1,0 +1,80 @@
+"""Config loading, env overrides and the CLI's exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import EXIT_CONFIG, main
+from proxy.settings import ConfigError, load_settings
+
+GOOD = """\
+listen: {host: 127.0.0.1, port: 8000}
+groups:
+  - name: dp-a
+    ranks:
+      - {name: r0, url: "http://127.0.0.1:8400", weight: 2}
+      - {name: r1, url: "http://127.0.0.1:8401", weight: 1}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "proxy.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_issue_example_config_loads(tmp_path: Path) -> None:
+    s = load_settings(write(tmp_path, GOOD))
+    assert s.listen.port == 8000
+    assert [(r.name, r.weight) for r in s.groups[0].ranks] == [("r0", 2), ("r1", 1)]
+    assert s.timeouts.poll_interval_s <= 0.5
+
+
+def test_env_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTPROXY_LISTEN__PORT", "9123")
+    monkeypatch.setenv("FTPROXY_TIMEOUTS__QUEUE_S", "7")
+    s = load_settings(write(tmp_path, GOOD))
+    assert s.listen.port == 9123 and s.timeouts.queue_s == 7
+
+
+def test_shipped_configs_are_valid() -> None:
+    for path in Path("config").glob("*.yaml"):
+        load_settings(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (GOOD.replace("weight: 2", "weight: -1"), "groups.0.ranks.0.weight"),
+        (GOOD.replace('"http://127.0.0.1:8400"', "localhost:8400"), "groups.0.ranks.0.url"),
+        (GOOD.replace("name: r1", "name: r0"), "unique"),
+        (GOOD + "bogus: 1\n", "bogus"),
+        ("groups: []\n", "groups"),
+        ("listen: [\n", "not valid YAML"),
+    ],
+)
+def test_invalid_config_names_file_and_field(tmp_path: Path, text: str, needle: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_settings(path)
+    assert str(path) in str(err.value) and needle in str(err.value)
+
+
+def test_cli_invalid_config_exits_2_without_traceback(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD.replace("weight: 2", "weight: lots"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == EXIT_CONFIG
+    assert "Traceback" not in proc.stderr
+    assert str(path) in proc.stderr and "groups.0.ranks.0.weight" in proc.stderr
+
+
+def test_cli_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", str(tmp_path / "nope.yaml")]) == EXIT_CONFIG
+    assert "nope.yaml" in capsys.readouterr().err

@@ -1,0 +1,78 @@
+"""Pure logic: balancer, status parsing, rank table merging."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from proxy.balancer import SmoothWeightedBalancer
+from proxy.feed import summarize
+from proxy.ranks import HEALTHY, RankTable
+from proxy.settings import GroupConfig, RankConfig
+
+
+def table(weights: dict[str, int]) -> RankTable:
+    ranks = [RankConfig(name=n, url=f"http://h/{n}", weight=w) for n, w in weights.items()]
+    t = RankTable([GroupConfig(name="g", ranks=ranks)])
+    for r in t:
+        t.observe(r.name, 1.0, "poll", reachable=True, status=HEALTHY)
+    return t
+
+
+def test_smooth_wrr_interleaves_and_is_exact() -> None:
+    t, b = table({"a": 2, "b": 1}), SmoothWeightedBalancer()
+    picks = [b.pick(t).name for _ in range(6)]  # type: ignore[union-attr]
+    assert picks == ["a", "b", "a", "a", "b", "a"]
+
+
+def test_wrr_skips_unroutable_and_drained() -> None:
+    t, b = table({"a": 1, "b": 1, "c": 0}), SmoothWeightedBalancer()
+    t.observe("a", 2.0, "poll", reachable=True, status="unhealthy")
+    assert Counter(b.pick(t).name for _ in range(10)) == Counter(b=10)  # type: ignore[union-attr]
+    t.observe("b", 2.0, "poll", reachable=False)
+    assert b.pick(t) is None
+
+
+def test_wrr_exclude() -> None:
+    t, b = table({"a": 5, "b": 1}), SmoothWeightedBalancer()
+    assert b.pick(t, frozenset({"a"})).name == "b"  # type: ignore[union-attr]
+    assert b.pick(t, frozenset({"a", "b"})) is None
+
+
+def test_summarize_tolerates_shapes_and_unknown_statuses() -> None:
+    ok = {"schema_version": 1, "engines": [{"id": 0, "status": "healthy", "mask": [0, 1]}]}
+    assert summarize(ok) == ("healthy", {"id": 0, "status": "healthy", "mask": [0, 1]})
+    bad = {"engines": [{"id": 0, "status": "unhealthy", "fault_info": "RuntimeError",
+                        "ft_error": "x", "last_ft_request_id": "r"}]}  # fmt: skip
+    assert summarize(bad)[0] == "unhealthy" and summarize(bad)[1]["ft_error"] == "x"
+    assert summarize({"engines": [{"id": 0, "status": "DIAGNOSING"}]})[0] == "diagnosing"
+    assert summarize({"engines": [{"status": "healthy"}, {"status": "dead"}]})[0] == "dead"
+    assert summarize({"engines": []})[0] == "unknown"
+    assert summarize(["nonsense"])[0] == "unknown"
+    assert summarize({"engines": [{"id": 0, "status": "rebooting"}]})[0] == "rebooting"
+
+
+def test_unknown_status_is_not_routable() -> None:
+    t = table({"a": 1})
+    t.observe("a", 2.0, "poll", reachable=True, status="diagnosing")
+    assert not t.ranks["a"].routable
+
+
+def test_newest_observation_wins() -> None:
+    t = table({"a": 1})
+    t.observe("a", 10.0, "push", reachable=True, status="unhealthy")
+    assert not t.observe("a", 9.0, "poll", reachable=True, status=HEALTHY)  # older poll
+    assert t.ranks["a"].status == "unhealthy"
+    assert t.observe("a", 11.0, "poll", reachable=True, status=HEALTHY)
+    assert t.ranks["a"].routable
+
+
+async def test_wait_for_wakes_on_change() -> None:
+    t = table({"a": 1})
+    t.observe("a", 2.0, "poll", reachable=False)
+    waiter = asyncio.create_task(t.wait_for(t.any_routable, 5.0))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    t.observe("a", 3.0, "poll", reachable=True, status=HEALTHY)
+    assert await asyncio.wait_for(waiter, 1.0)
+    assert not await t.wait_for(lambda: False, 0.05)
