@@ -18,11 +18,21 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger("ftproxy.engine_ext")
+_PARTS = (
+    ("cpu_rig", "FTPROXY_CPU_RIG"),
+    ("fault_inject", "FTPROXY_FAULT_INJECT"),
+    ("status_pub", "FTPROXY_STATUS_PUB"),
+    ("resume", "FTPROXY_RESUME_AFTER_RECOVERY"),
+)
+
+# Under vLLM's "vllm" logger, so records go where vLLM's own logs go.
+log = logging.getLogger("vllm.ftproxy")
 
 
 def register() -> None:
     """Entry point: switch on the parts whose environment variables are set."""
+    on = [name for name, var in _PARTS if os.environ.get(var)]
+    log.info("ftproxy plugin loaded in pid %d; parts on: %s", os.getpid(), ", ".join(on) or "none")
     if os.environ.get("FTPROXY_CPU_RIG") == "1":
         from engine_ext import cpu_rig
 

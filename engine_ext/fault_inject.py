@@ -8,17 +8,20 @@ whole group turns unhealthy exactly as on a real transient fault.
 Spec (``FTPROXY_FAULT_INJECT``): ``rank=1;steps=300,900`` and optionally
 ``trigger=/path/file``: whenever that file appears, the worker reads an
 integer N from it, deletes it, and faults N steps later. Tests sharing one
-long-lived rig use the trigger to fault at a moment they choose.
+long-lived rig use the trigger to fault at a moment they choose. When a fault
+fires, its wall-clock time is written to ``PATH.fired``, so a test can measure
+how long the proxy took to learn of it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("ftproxy.engine_ext.fault_inject")
+log = logging.getLogger("vllm.ftproxy.fault_inject")
 
 
 @dataclass
@@ -62,6 +65,16 @@ def _should_fault(plan: FaultPlan, dp_rank: int) -> bool:
     return False
 
 
+def _record_fired(plan: FaultPlan) -> None:
+    if plan.trigger is None:
+        return
+    try:
+        with open(plan.trigger + ".fired", "w") as f:
+            f.write(f"{time.time():.6f}\n")
+    except OSError:
+        log.warning("ftproxy: cannot write %s.fired", plan.trigger)
+
+
 _INSTALLED = False
 
 
@@ -78,6 +91,7 @@ def install(plan: FaultPlan) -> None:
         parallel_config = kwargs["parallel_config"] if len(args) < 5 else args[4]
         if _should_fault(plan, parallel_config.data_parallel_rank):
             log.warning("ftproxy: injecting fault at DP step %d", plan.calls)
+            _record_fired(plan)
             raise RuntimeError(f"ftproxy injected fault at DP step {plan.calls}")
         return result
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("ftproxy.engine_ext.resume")
+log = logging.getLogger("vllm.ftproxy.resume")
 
 
 def install() -> None:

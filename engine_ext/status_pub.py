@@ -20,7 +20,7 @@ from typing import Any
 
 from engine_ext import protocol
 
-log = logging.getLogger("ftproxy.engine_ext.status_pub")
+log = logging.getLogger("vllm.ftproxy.status_pub")
 
 
 class Publisher:

@@ -108,6 +108,14 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
+async def _poll(app: web.Application) -> None:
+    await Poller(app[TABLE], app[SESSION], app[SETTINGS].timeouts).run()
+
+
+async def _push(app: web.Application) -> None:
+    await PushFeed(app[TABLE], app[SETTINGS].timeouts, app[METRICS]).run()
+
+
 def build_app(settings: Settings) -> web.Application:
     app = web.Application(
         middlewares=[errors_middleware], client_max_size=settings.limits.max_body_bytes
@@ -116,11 +124,8 @@ def build_app(settings: Settings) -> web.Application:
     app[TABLE] = table = RankTable(settings.groups)
     app[METRICS] = Metrics(table)
     app.cleanup_ctx.append(_client_session)
-    app.cleanup_ctx.append(
-        _background("poller", lambda a: Poller(a[TABLE], a[SESSION], settings.timeouts).run())
-    )
-    app.cleanup_ctx.append(_background(
-        "push-feed", lambda a: PushFeed(a[TABLE], settings.timeouts).run()))  # fmt: skip
+    app.cleanup_ctx.append(_background("poller", _poll))
+    app.cleanup_ctx.append(_background("push-feed", _push))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)

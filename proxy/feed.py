@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from engine_ext import protocol
+from proxy.metrics import Metrics
 from proxy.ranks import HEALTHY, UNHEALTHY, UNKNOWN, Rank, RankTable
 from proxy.settings import Timeouts
 
@@ -97,8 +98,8 @@ class Poller:
 class PushFeed:
     """One ZMQ subscriber per rank with a ``status_feed`` address."""
 
-    def __init__(self, table: RankTable, t: Timeouts) -> None:
-        self.table, self.t = table, t
+    def __init__(self, table: RankTable, t: Timeouts, metrics: Metrics) -> None:
+        self.table, self.t, self.metrics = table, t, metrics
 
     async def run(self) -> None:
         tasks = [
@@ -134,12 +135,18 @@ class PushFeed:
                 sock.close()
 
     def _apply(self, name: str, msg: dict[str, Any] | None) -> None:
-        if msg is None:
+        rank = self.table.ranks.get(name)
+        if msg is None or rank is None:
             return
         status, detail = summarize(msg)
+        now = time.time()
+        if msg.get("kind") == "status" and status != rank.status:
+            # Same clock when publisher and proxy share a host; else indicative.
+            rank.push_delay_s = now - float(msg.get("ts", now))
+            self.metrics.push_delay.observe(max(rank.push_delay_s, 0.0))
         # Observation time is our receive time: the publisher's clock may
         # differ, and a push is never older than the poll answer before it.
-        self.table.observe(name, time.time(), "push", reachable=True, status=status, detail=detail)
+        self.table.observe(name, now, "push", reachable=True, status=status, detail=detail)
 
     def _silent(self, name: str, silence_s: float) -> None:
         rank = self.table.ranks.get(name)

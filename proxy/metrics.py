@@ -64,6 +64,10 @@ class Metrics:
         self.no_rank = Counter(
             "ftproxy_no_healthy_rank", "Requests answered 503: no healthy rank in time", registry=r
         )
+        self.push_delay = Histogram(
+            "ftproxy_push_delay_seconds", "Status change published -> in the rank table",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r,
+        )  # fmt: skip
         r.register(_RankStatusCollector(table))
 
     def render(self) -> bytes:

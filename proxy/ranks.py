@@ -40,6 +40,11 @@ class Rank:
     observed_at: float = 0.0  # wall clock of the observation behind `status`
     last_heard: float = 0.0  # wall clock of the last message or answer
     in_flight: int = 0
+    # Which feed changed `status` last, and when (our wall clock).
+    changed_by: str = ""
+    changed_at: float = 0.0
+    # Publisher clock to our table, for the last pushed status change.
+    push_delay_s: float | None = None
 
     @property
     def routable(self) -> bool:
@@ -52,6 +57,8 @@ class Rank:
             "reachable": self.reachable, "reason": self.reason, "source": self.source,
             "fault_info": self.fault_info, "detail": self.detail,
             "in_flight": self.in_flight, "last_heard": self.last_heard,
+            "push_delay_s": self.push_delay_s, "changed_by": self.changed_by,
+            "changed_at": self.changed_at,
         }  # fmt: skip
 
 
@@ -93,6 +100,8 @@ class RankTable:
         rank.last_heard = max(rank.last_heard, observed_at) if reachable else rank.last_heard
         rank.reachable, rank.reason, rank.source = reachable, reason, source
         if status is not None:
+            if status != rank.status:
+                rank.changed_by, rank.changed_at = source, time.time()
             rank.status = status
             rank.detail = detail or {}
             fault = rank.detail.get("fault_info")

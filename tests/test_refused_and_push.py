@@ -61,7 +61,7 @@ async def test_push_feed_updates_table_and_notices_silence(pub) -> None:
         {"name": "r", "url": "http://127.0.0.1:1", "status_feed": address}]}])  # fmt: skip
     table = RankTable(settings.groups)
     timeouts = Timeouts(feed_silence_intervals=2)
-    task = asyncio.create_task(PushFeed(table, timeouts).run())
+    task = asyncio.create_task(PushFeed(table, timeouts, Metrics(table)).run())
     seq = 0
 
     async def send(status: str) -> None:

@@ -1,0 +1,40 @@
+# Two commands: `make demo` (the proxy in front of real local vLLM CPU ranks)
+# and `make test`. Both create .venv on first use.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ftproxy-installed
+
+.PHONY: setup demo test lint unit e2e bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[engine,test]'
+	@# PyPI torchvision/torchaudio break `import vllm` beside the CPU torch.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+demo: setup
+	$(PY) -m engine_ext.rig.demo
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+unit: setup
+	$(PY) -m pytest -m "not e2e"
+
+e2e: setup
+	$(PY) -m pytest -m e2e
+
+test: lint
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) -m bench.relay
+
+clean:
+	rm -rf $(VENV) .rig
