@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy import models
+from proxy import generation, models
 from proxy.errors import NotFound, ProxyError, error_response
 from proxy.feed import Poller, PushFeed
 from proxy.inbound import check_api_key, read_body, read_json
@@ -57,13 +57,17 @@ async def proxy_v1(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     check_api_key(request, settings.api_keys)
     max_bytes = settings.limits.max_body_bytes
+    parsed: dict[str, Any] = {}
     if request.method in ("POST", "PUT", "PATCH"):
-        body, _ = await read_json(request, max_bytes)
+        body, parsed = await read_json(request, max_bytes)
     else:
         body = await read_body(request, max_bytes)
     request_id = request[REQUEST_ID]
     headers = request_headers(request.headers, request_id, strip_auth=bool(settings.api_keys))
     out = Outbound(request.method, request.path_qs, headers, body, request_id)
+    kind = generation.KINDS.get(request.path)
+    if kind is not None and request.method == "POST":
+        return await generation.forward(request.app[RELAY], request, out, kind, parsed)
     return await request.app[RELAY].forward(request, out)
 
 

@@ -75,7 +75,7 @@ class Poller:
         sent_at = time.time()  # the answer is at least as fresh as this
         try:
             status, detail = await self._read_status(rank)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             reason = f"poll failed: {type(e).__name__}"
             self.table.observe(rank.name, sent_at, "poll", reachable=False, reason=reason)
             return

@@ -68,6 +68,20 @@ class Metrics:
             "ftproxy_push_delay_seconds", "Status change published -> in the rank table",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r,
         )  # fmt: skip
+        self.streams_held = Gauge(
+            "ftproxy_streams_held", "Client streams on hold through a fault now", registry=r
+        )
+        self.hold_seconds = Histogram(
+            "ftproxy_hold_seconds", "How long streams were held", registry=r,
+            buckets=(0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
+        )  # fmt: skip
+        self.resumes = Counter(
+            "ftproxy_stream_resumes", "Held streams that went on, by mode (engine|continuation)",
+            ["mode"], registry=r,
+        )  # fmt: skip
+        self.continuation_failures = Counter(
+            "ftproxy_continuation_failures", "Continuation requests a rank refused", registry=r
+        )
         r.register(_RankStatusCollector(table))
 
     def render(self) -> bytes:

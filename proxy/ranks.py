@@ -115,7 +115,8 @@ class RankTable:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+    # A bool answer, not an exception, is what every caller branches on.
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:  # noqa: ASYNC109
         """Wait until predicate() holds, re-checking on every change."""
         deadline = time.monotonic() + timeout
         while not predicate():
@@ -124,6 +125,6 @@ class RankTable:
                 return False
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return predicate()
         return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -49,6 +50,9 @@ class Attempt:
     started: float
 
 
+Respond = Callable[[web.Request, Attempt], Awaitable[web.StreamResponse]]
+
+
 class Relay:
     def __init__(
         self,
@@ -61,24 +65,31 @@ class Relay:
         self.settings = settings
         self.balancer = SmoothWeightedBalancer()
 
-    async def forward(self, request: web.Request, out: Outbound) -> web.StreamResponse:
+    async def forward(
+        self, request: web.Request, out: Outbound, respond: Respond | None = None
+    ) -> web.StreamResponse:
+        """Open ``out`` on a healthy rank and answer with ``respond`` (default: relay)."""
         attempt = await self.open(out)
         rank = attempt.rank
         rank.in_flight += 1
         try:
-            reply = await self._relay(request, attempt)
+            reply = await (respond or self.relay)(request, attempt)
         finally:
             rank.in_flight -= 1
         self.metrics.requests.labels(rank.name, str(attempt.response.status)).inc()
         self.metrics.latency.labels(rank.name).observe(time.monotonic() - attempt.started)
         return reply
 
-    async def open(self, out: Outbound) -> Attempt:
-        """Send to a healthy rank; before the first byte, retry on another."""
+    async def open(self, out: Outbound, queue_s: float | None = None) -> Attempt:
+        """Send to a healthy rank; before the first byte, retry on another.
+
+        With no healthy rank, wait up to ``queue_s`` (default: the configured
+        queue timeout) for one.
+        """
         tried: set[str] = set()
         failures: list[str] = []
         for _ in range(1 + self.settings.limits.upstream_retries):
-            rank = await self._pick(frozenset(tried))
+            rank = await self._pick(frozenset(tried), queue_s)
             if rank is None:
                 break
             tried.add(rank.name)
@@ -113,11 +124,11 @@ class Relay:
     def _has_other(self, tried: set[str]) -> bool:
         return any(r.routable and r.name not in tried for r in self.table)
 
-    async def _pick(self, exclude: frozenset[str]) -> Rank | None:
+    async def _pick(self, exclude: frozenset[str], queue_s: float | None) -> Rank | None:
         rank = self.balancer.pick(self.table, exclude)
         if rank is not None or exclude:
             return rank  # a retry never waits: it has somewhere else to fail over to
-        queue_s = self.settings.timeouts.queue_s
+        queue_s = self.settings.timeouts.queue_s if queue_s is None else queue_s
         self.metrics.queued.inc()
         try:
             await self.table.wait_for(self.table.any_routable, queue_s)
@@ -131,7 +142,8 @@ class Relay:
             )
         return rank
 
-    async def _relay(self, request: web.Request, attempt: Attempt) -> web.StreamResponse:
+    async def relay(self, request: web.Request, attempt: Attempt) -> web.StreamResponse:
+        """Pass the upstream answer on as it is."""
         up = attempt.response
         if up.content_type != "text/event-stream":
             try:

@@ -54,6 +54,14 @@ class Timeouts(BaseModel):
     feed_silence_intervals: int = Field(3, ge=1)
 
 
+class Hold(BaseModel):
+    """Streams on hold through a fault (see proxy.holdopen)."""
+
+    keepalive_s: float = Field(2.0, gt=0)  # SSE comment interval while held
+    stall_s: float = Field(30.0, gt=0)  # no event this long: hold
+    timeout_s: float = Field(180.0, gt=0)  # held this long: error event, end
+
+
 class Limits(BaseModel):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
     # Extra ranks tried when a rank fails before the first byte is sent.
@@ -69,6 +77,7 @@ class Settings(BaseSettings):
     groups: list[GroupConfig] = Field(min_length=1)
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
+    hold: Hold = Hold()
     # Optional data-plane API keys (Authorization: Bearer <key>).
     api_keys: list[SecretStr] = []
     log_level: str = "INFO"

@@ -56,6 +56,14 @@ class FakeRank:
     has_ft: bool = True
     # "ok" | "reset" (close the connection without answering) | "500"
     mode: str = "ok"
+    # Engine-side resume: a fault pauses streams instead of aborting them.
+    resume: bool = False
+    # Fault this rank after it has streamed this many tokens (once).
+    fault_after: int | None = None
+    # ... and recover on its own this long after (None: stay faulted).
+    auto_recover_s: float | None = None
+    # Drop the connection after the final token, before [DONE].
+    drop_before_done: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     disconnects: int = 0
     applies: list[dict[str, Any]] = field(default_factory=list)
@@ -63,7 +71,9 @@ class FakeRank:
     _runner: web.AppRunner | None = None
     _healthy: asyncio.Event = field(default_factory=asyncio.Event)
     _faulted: asyncio.Event = field(default_factory=asyncio.Event)
+    recovered: asyncio.Event = field(default_factory=asyncio.Event)  # set by recover()
     ft_error: str | None = None
+    streamed: int = 0
 
     # -- control -----------------------------------------------------------
     def fault(self, status: str = "unhealthy") -> None:
@@ -76,6 +86,7 @@ class FakeRank:
         self.ft_error = None
         self._faulted.clear()
         self._healthy.set()
+        self.recovered.set()
 
     async def start(self, port: int = 0) -> FakeRank:
         if self.status == "healthy":
@@ -164,24 +175,40 @@ class FakeRank:
             ctx.append(next_token(ctx))
         return ctx[len(prompt) :]
 
+    def _tick(self) -> None:
+        """One token streamed: fault when the configured count is reached."""
+        self.streamed += 1
+        if self.fault_after is not None and self.streamed == self.fault_after:
+            self.fault()
+            if self.auto_recover_s is not None:
+                asyncio.get_running_loop().call_later(self.auto_recover_s, self.recover)
+
     async def _whole(self, body: dict[str, Any], prompt: list[int], chat: bool) -> web.Response:
         n = int(body.get("max_tokens") or 16)
-        out = self._tokens(prompt, n)
-        await asyncio.sleep(self.token_delay_s * n)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        out: list[int] = []
+        finish = "length"
+        for tok in self._tokens(prompt, n):
+            if self._faulted.is_set():
+                finish = "abort"
+                break
+            out.append(tok)
+            self._tick()
+            await asyncio.sleep(self.token_delay_s)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if chat:
             choice["message"] = {"role": "assistant", "content": detok(out)}
         else:
             choice["text"] = detok(out)
         if body.get("return_token_ids"):
             choice["token_ids"] = out
+            choice["prompt_token_ids"] = prompt
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex[:8]}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model", "fake-model"),
             "choices": [choice],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
-                      "total_tokens": len(prompt) + n},
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out),
+                      "total_tokens": len(prompt) + len(out)},
         })  # fmt: skip
 
     async def _stream(
@@ -189,41 +216,106 @@ class FakeRank:
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        rid = f"cmpl-{uuid.uuid4().hex[:8]}"
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        want_ids = bool(body.get("return_token_ids"))
+        s = _Stream(rid=f"cmpl-{uuid.uuid4().hex[:8]}", chat=chat, body=body)
+        if chat:  # vLLM opens a chat stream with the role
+            role = s.chunk("", None, [])
+            role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            await resp.write(_sse(role))
         ctx = list(prompt)
         n = int(body.get("max_tokens") or 16)
         for i in range(n):
-            if self._faulted.is_set():
-                abort = _chunk(rid, obj, chat, "", "abort", [] if want_ids else None)
-                await resp.write(_sse(abort))
+            if self._faulted.is_set() and self.resume:
+                await self._healthy.wait()  # paused, then the same request goes on
+            if self._faulted.is_set():  # vLLM: flush the held-back text, then abort
+                await resp.write(_sse(s.chunk(s.held, "abort", [])))
                 break
             tok = next_token(ctx)
             ctx.append(tok)
-            finish = "length" if i == n - 1 else None
-            chunk = _chunk(rid, obj, chat, detok([tok]), finish, [tok] if want_ids else None)
-            if i == 0 and want_ids:
+            text, finish, stop = s.add(detok([tok]), last=i == n - 1)
+            chunk = s.chunk(text, finish, [tok], stop)
+            if i == 0 and s.want_ids:
                 chunk["choices"][0]["prompt_token_ids"] = prompt
             await resp.write(_sse(chunk))
+            self._tick()
+            if finish == "stop":
+                break
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
+        if self.drop_before_done:
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ctx) - len(prompt),
+                     "total_tokens": len(ctx)}  # fmt: skip
+            await resp.write(
+                _sse(
+                    {
+                        "id": s.rid,
+                        "object": s.obj,
+                        "created": 0,
+                        "model": "fake-model",
+                        "choices": [],
+                        "usage": usage,
+                    }
+                )
+            )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
 
-def _chunk(
-    rid: str, obj: str, chat: bool, text: str, finish: str | None, ids: list[int] | None
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-    if chat:
-        choice["delta"] = {"content": text}
-    else:
-        choice["text"] = text
-    if ids is not None:
-        choice["token_ids"] = ids
-    return {"id": rid, "object": obj, "created": 0, "model": "fake-model", "choices": [choice]}
+@dataclass
+class _Stream:
+    """One streamed answer: stop strings held back and matched as vLLM does."""
+
+    rid: str
+    chat: bool
+    body: dict[str, Any]
+    text: str = ""
+    sent: int = 0
+
+    @property
+    def obj(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    @property
+    def want_ids(self) -> bool:
+        return bool(self.body.get("return_token_ids"))
+
+    @property
+    def stops(self) -> list[str]:
+        stop = self.body.get("stop") or []
+        return [stop] if isinstance(stop, str) else list(stop)
+
+    @property
+    def held(self) -> str:
+        return self.text[self.sent :]
+
+    def add(self, piece: str, last: bool) -> tuple[str, str | None, str | None]:
+        """(text to send now, finish_reason, stop_reason)."""
+        self.text += piece
+        for stop in self.stops:
+            at = self.text.find(stop)
+            if at >= 0:
+                out, self.sent = self.text[self.sent : at], at
+                return out, "stop", stop
+        hold = 0 if last or not self.stops else max(map(len, self.stops)) - 1
+        upto = max(len(self.text) - hold, self.sent)
+        out, self.sent = self.text[self.sent : upto], upto
+        return out, "length" if last else None, None
+
+    def chunk(
+        self, text: str, finish: str | None, ids: list[int], stop: str | None = None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": stop}
+        if self.chat:
+            choice["delta"] = {"content": text}
+        else:
+            choice["text"] = text
+        choice["token_ids"] = ids if self.want_ids else None
+        return {"id": self.rid, "object": self.obj, "created": 0, "model": "fake-model",
+                "choices": [choice]}  # fmt: skip
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

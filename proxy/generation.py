@@ -1,0 +1,136 @@
+"""Completions and chat: the requests that survive engine faults.
+
+Every rank is asked for ``return_token_ids`` so the proxy knows the prompt
+and each generated token. Streams go through :class:`~proxy.holdopen.HeldStream`.
+A whole (non-streamed) answer is passed on as it is unless the engine aborted
+it; then the same continuation machinery completes it, and the client gets
+one whole answer.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.continuation import CHAT, COMPLETION, Book, refusal
+from proxy.errors import error_body
+from proxy.holdopen import Collector, HeldStream
+from proxy.relay import Attempt, Outbound, Relay
+from proxy.upstream import response_headers
+
+KINDS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
+
+
+async def forward(
+    relay: Relay, request: web.Request, out: Outbound, kind: str, body: dict[str, Any]
+) -> web.StreamResponse:
+    book = Book.for_request(kind, body)
+    if not body.get("return_token_ids"):
+        out.body = json.dumps({**body, "return_token_ids": True}).encode()
+    respond = _stream if body.get("stream") else _whole
+    return await relay.forward(request, out, partial(respond, relay, out, book, refusal(body)))
+
+
+async def _stream(
+    relay: Relay, out: Outbound, book: Book, refused: str | None,
+    request: web.Request, attempt: Attempt,
+) -> web.StreamResponse:  # fmt: skip
+    up = attempt.response
+    if up.status != 200 or up.content_type != "text/event-stream":
+        return await relay.relay(request, attempt)  # errors pass through as they are
+    resp = web.StreamResponse(headers=response_headers(up.headers))
+    await resp.prepare(request)
+    await HeldStream(relay, out, book, refused, resp).run(attempt)
+    await resp.write_eof()
+    return resp
+
+
+async def _whole(
+    relay: Relay, out: Outbound, book: Book, refused: str | None,
+    request: web.Request, attempt: Attempt,
+) -> web.StreamResponse:  # fmt: skip
+    up = attempt.response
+    try:
+        raw: bytes | None = await up.read()
+    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+        raw = None  # lost before the answer: start over
+    finally:
+        up.release()
+    answer = _json(raw) if raw is not None else None
+    # Errors were already retried on other ranks by the relay: pass them on.
+    if raw is not None and (up.status != 200 or not _aborted(answer)):
+        if answer is not None and up.status == 200 and not book.wants_ids:
+            raw = _hide_ids(answer)
+        return web.Response(body=raw, status=up.status, headers=response_headers(up.headers))
+    if answer is not None and _aborted(answer):
+        book.take_partial(answer)
+    collector = Collector()
+    await HeldStream(relay, out, book, refused, collector).run(None)
+    return _assemble(book, collector.events)
+
+
+def _json(raw: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _aborted(answer: dict[str, Any] | None) -> bool:
+    choices = (answer or {}).get("choices") or [{}]
+    return bool(choices[0].get("finish_reason") == "abort")
+
+
+def _hide_ids(answer: dict[str, Any]) -> bytes:
+    if "prompt_token_ids" in answer:
+        answer["prompt_token_ids"] = None
+    for c in answer.get("choices") or []:
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in c:
+                c[key] = None
+    return json.dumps(answer).encode()
+
+
+def _assemble(book: Book, events: list[bytes]) -> web.Response:
+    """One whole answer from the continued stream's events."""
+    text, finish, stop_reason = [], None, None
+    for data in events:
+        chunk = _json(data)
+        if chunk is None:
+            continue
+        if "error" in chunk:
+            return web.json_response(chunk, status=503)
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text.append(str(choice.get("text") or delta.get("content") or ""))
+            finish = choice.get("finish_reason") or finish
+            stop_reason = choice.get("stop_reason") or stop_reason
+    if finish is None:
+        body = error_body("the answer ended unfinished", "server_error", "stream_aborted")
+        return web.json_response(body, status=503)
+    return web.json_response(_answer(book, "".join(text), finish, stop_reason))
+
+
+def _answer(book: Book, text: str, finish: str, stop_reason: Any) -> dict[str, Any]:
+    t = book.template or {}
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
+                              "stop_reason": stop_reason,
+                              "token_ids": book.generated if book.wants_ids else None}  # fmt: skip
+    if book.kind == CHAT:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    prompt, completion = len(book.prompt_ids or []), len(book.generated)
+    return {
+        "id": t.get("id", "ftproxy-answer"),
+        "object": "chat.completion" if book.kind == CHAT else "text_completion",
+        "created": t.get("created", 0), "model": t.get("model", book.body.get("model", "")),
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                  "total_tokens": prompt + completion},
+    }  # fmt: skip

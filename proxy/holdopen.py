@@ -1,0 +1,261 @@
+"""Streams that survive engine faults: hold open, then relay on or continue.
+
+A streamed completion or chat request is relayed event by event through a
+:class:`~proxy.continuation.Book`. A fault while streaming puts the stream on
+**hold** (the client gets SSE comment keepalives and nothing else):
+
+* an ``abort`` chunk, or the upstream connection lost -> the engine dropped
+  the request: send a continuation to a healthy rank and splice it in;
+* the rank's status turning not healthy, or no event for ``stall_s`` -> wait
+  on the same upstream: with engine-side resume the same request continues
+  after recovery and is relayed on; without it, an abort follows.
+
+A hold that lasts ``timeout_s``, a request that cannot be continued exactly
+(see :func:`~proxy.continuation.refusal`), or a continuation refused with a
+4xx ends the stream with an OpenAI-shaped error event, never a silent cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Protocol
+
+import aiohttp
+
+from proxy.continuation import Book, Emit
+from proxy.errors import ProxyError, error_body
+from proxy.metrics import Metrics
+from proxy.ranks import HEALTHY, UNHEALTHY, Rank
+from proxy.relay import Attempt, Outbound, Relay
+from proxy.settings import Hold
+from proxy.sse import DONE, KEEPALIVE, SSEParser, event
+
+log = logging.getLogger("ftproxy.hold")
+
+FINISHED, ABORTED, LOST = "finished", "aborted", "lost"
+
+
+class StreamFailed(Exception):
+    """The stream cannot go on; the message is for the client."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Sink(Protocol):
+    async def write(self, data: bytes) -> None: ...
+
+
+class Collector:
+    """A sink that keeps the events, for answers the client gets whole."""
+
+    def __init__(self) -> None:
+        self.parser = SSEParser()
+        self.events: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.events.extend(self.parser.feed(data))
+
+
+class HeldStream:
+    def __init__(
+        self, relay: Relay, out: Outbound, book: Book, refused: str | None, sink: Sink
+    ) -> None:
+        self.relay, self.out, self.book, self.refused = relay, out, book, refused
+        self.sink = sink
+        self.cfg: Hold = relay.settings.hold
+        self.metrics: Metrics = relay.metrics
+        self.rank: Rank | None = None
+        self.upstream: aiohttp.ClientResponse | None = None
+        self.last_event = time.monotonic()
+        self.held_since: float | None = None
+        self.hold_reason = ""
+        self.resume_mode = "engine"  # who ends the next hold, as metrics count it
+        self.writing = False
+
+    # -- the whole life of the stream ------------------------------------------
+    async def run(self, first: Attempt | None) -> None:
+        """Relay ``first`` to the end; with None, start by continuing."""
+        watchdog = asyncio.create_task(self._watch())
+        try:
+            await self._relay_until_done(first)
+        finally:
+            watchdog.cancel()
+            self._unhold(None)
+            if self.upstream is not None:
+                self.upstream.close()
+
+    async def _relay_until_done(self, attempt: Attempt | None) -> None:
+        handle = self.book.on_original
+        try:
+            if attempt is None:
+                self._hold("aborted by the engine")
+                attempt, handle = await self._continuation(), self.book.on_continuation
+            while await self._pump(attempt, handle) != FINISHED:
+                attempt = await self._continuation()
+                handle = self.book.on_continuation
+        except StreamFailed as e:
+            log.warning("[%s] stream ends with an error: %s", self.out.request_id, e)
+            for data in self.book.closing():
+                await self._write(event(data))
+            body = error_body(str(e), "server_error", e.code)
+            await self._write(event(json.dumps(body).encode()))
+        else:
+            for data in self.book.closing():
+                await self._write(event(data))
+        await self._write(event(DONE))
+
+    async def _pump(self, attempt: Attempt, handle: Any) -> str:
+        """Relay one upstream's events; say how it ended."""
+        self.rank, self.upstream = attempt.rank, attempt.response
+        parser = SSEParser()
+        try:
+            async for chunk in attempt.response.content.iter_any():
+                self.last_event = time.monotonic()
+                if self.held_since is not None:
+                    self._unhold(self.resume_mode)
+                    self.resume_mode = "engine"
+                for data in parser.feed(chunk):
+                    outcome = await self._on_event(data, handle)
+                    if outcome is not None:
+                        return outcome
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            log.info("[%s] upstream %s lost: %r", self.out.request_id, attempt.rank.name, e)
+        finally:
+            attempt.response.close()
+            self.upstream = None
+        return FINISHED if self.book.finish_reason else self._fault("connection lost")
+
+    async def _on_event(self, data: bytes, handle: Any) -> str | None:
+        if data == DONE:
+            return FINISHED if self.book.finish_reason else self._fault("ended unfinished")
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return None
+        if "error" in chunk and "choices" not in chunk:
+            await self._write(event(data))  # the engine's own error: pass it on, stop
+            raise StreamFailed("upstream error", "upstream_error")
+        emit: Emit = handle(chunk)
+        for out in emit.data:
+            await self._write(event(out))
+        if emit.aborted:
+            self._mark_faulted()
+            return self._fault("aborted by the engine")
+        if emit.finished and handle == self.book.on_continuation:
+            return FINISHED  # its usage chunk is not the client's: stop here
+        return None
+
+    def _mark_faulted(self) -> None:
+        """An abort means the engine faulted: route around it until a newer
+        poll or push says otherwise (the table may not know yet)."""
+        if self.rank is not None:
+            self.relay.table.observe(
+                self.rank.name, time.time(), "relay", reachable=True, status=UNHEALTHY,
+                detail={"status": UNHEALTHY, "fault_info": "stream aborted"},
+            )  # fmt: skip
+
+    def _fault(self, reason: str) -> str:
+        self._hold(reason)
+        return ABORTED
+
+    # -- continuation ---------------------------------------------------------
+    async def _continuation(self) -> Attempt:
+        if self.refused is not None:
+            raise StreamFailed(
+                f"the engine aborted this request and it cannot be continued exactly "
+                f"({self.refused}); retry it", "stream_aborted")  # fmt: skip
+        if not self.book.can_continue():
+            raise StreamFailed("the engine aborted this request before its prompt was known",
+                               "stream_aborted")  # fmt: skip
+        while (remaining := self._hold_left()) > 0:
+            path, body = self.book.continuation()
+            out = Outbound("POST", path, self.out.headers, json.dumps(body).encode(),
+                           self.out.request_id)  # fmt: skip
+            try:
+                # A rank that faults before answering holds the request: bound it.
+                async with asyncio.timeout(remaining):
+                    attempt = await self.relay.open(out, queue_s=remaining)
+            except TimeoutError:
+                break
+            except ProxyError as e:
+                log.info("[%s] continuation not sent yet: %s", self.out.request_id, e.message)
+                await asyncio.sleep(min(1.0, max(remaining, 0)))
+                continue
+            if attempt.response.status == 200:
+                self.resume_mode = "continuation"
+                log.info("[%s] continuing on %s after %d tokens", self.out.request_id,
+                         attempt.rank.name, len(self.book.generated))  # fmt: skip
+                return attempt
+            await self._continuation_refused(attempt)
+        raise StreamFailed(f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s",
+                           "hold_timeout")  # fmt: skip
+
+    async def _continuation_refused(self, attempt: Attempt) -> None:
+        status, text = attempt.response.status, await attempt.response.text()
+        attempt.response.release()
+        self.metrics.continuation_failures.inc()
+        log.warning("[%s] continuation on %s answered %d: %s", self.out.request_id,
+                    attempt.rank.name, status, text[:300])  # fmt: skip
+        if status < 500:
+            raise StreamFailed(f"the continuation was refused ({status})", "continuation_failed")
+
+    def _hold_left(self) -> float:
+        since = self.held_since if self.held_since is not None else time.monotonic()
+        return since + self.cfg.timeout_s - time.monotonic()
+
+    # -- hold and keepalives ---------------------------------------------------
+    def _hold(self, reason: str) -> None:
+        if self.held_since is not None:
+            return
+        self.held_since, self.hold_reason = time.monotonic(), reason
+        self.metrics.streams_held.inc()
+        log.info("[%s] stream held: %s (rank %s, %d tokens so far)", self.out.request_id, reason,
+                 self.rank.name if self.rank else "-", len(self.book.generated))  # fmt: skip
+
+    def _unhold(self, mode: str | None) -> None:
+        if self.held_since is None:
+            return
+        held_s = time.monotonic() - self.held_since
+        self.held_since = None
+        self.metrics.streams_held.dec()
+        self.metrics.hold_seconds.observe(held_s)
+        if mode is not None:
+            self.metrics.resumes.labels(mode).inc()
+            log.info("[%s] stream resumed by the %s after %.1fs on hold (%s)",
+                     self.out.request_id, mode, held_s, self.hold_reason)  # fmt: skip
+
+    async def _watch(self) -> None:
+        """Notice stalls and unhealthy ranks; keep a held client alive."""
+        while True:
+            await asyncio.sleep(self.cfg.keepalive_s)
+            if self.held_since is None:
+                self._check_stall()
+            if self.held_since is None:
+                continue
+            if not self.writing:
+                await self._write(KEEPALIVE)
+            if self._hold_left() <= 0 and self.upstream is not None:
+                self.upstream.close()  # ends the pump; the hold timeout is reported
+
+    def _check_stall(self) -> None:
+        if self.upstream is None:
+            return
+        idle = time.monotonic() - self.last_event
+        if idle > self.cfg.stall_s:
+            self._hold(f"no event for {self.cfg.stall_s:.0f}s")
+        # A stream that still flows is not stalled, whatever the table says
+        # (it may lag the engine by a poll).
+        elif self.rank is not None and self.rank.status != HEALTHY and idle > self.cfg.keepalive_s:
+            self._hold(f"rank {self.rank.name} is {self.rank.status}")
+
+    async def _write(self, data: bytes) -> None:
+        self.writing = True
+        try:
+            await self.sink.write(data)
+        finally:
+            self.writing = False

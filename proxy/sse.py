@@ -1,0 +1,37 @@
+"""Server-sent events: split a byte stream into events' ``data`` payloads."""
+
+from __future__ import annotations
+
+DONE = b"[DONE]"
+KEEPALIVE = b": ftproxy keepalive\n\n"
+
+
+class SSEParser:
+    """Feed raw bytes; get back each complete event's data (bytes).
+
+    Events end with a blank line; an event's ``data:`` lines are joined with
+    newlines, as the SSE spec says. Comments and other fields are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\n\n" not in buf and b"\r\n\r\n" not in buf:
+            self._buf = buf
+            return []
+        buf = buf.replace(b"\r\n", b"\n")
+        *events, self._buf = buf.split(b"\n\n")
+        out = []
+        for event in events:
+            data = [
+                line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+            ]
+            if data:
+                out.append(b"\n".join(data))
+        return out
+
+
+def event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"

@@ -1,0 +1,203 @@
+"""Streams survive faults: hold open, engine-side resume, exact continuation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from proxy.app import METRICS
+from tests.conftest import settings_for
+from tests.fakes import chat_prompt, detok, next_token, tokenize
+
+HOLD = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0}
+
+
+def fault_free(prompt_ids: list[int], n: int) -> list[int]:
+    ctx = list(prompt_ids)
+    for _ in range(n):
+        ctx.append(next_token(ctx))
+    return ctx[len(prompt_ids) :]
+
+
+async def read_stream(
+    http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]
+) -> tuple[list[dict[str, Any]], int, bool]:
+    """(data chunks, keepalive comments seen, [DONE] seen)."""
+    async with http.post(url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        raw = await r.read()
+    chunks, keepalives, done = [], 0, False
+    for ev in raw.decode().split("\n\n"):
+        if ev.startswith(":"):
+            keepalives += 1
+        elif ev == "data: [DONE]":
+            done = True
+        elif ev.startswith("data: "):
+            chunks.append(json.loads(ev[6:]))
+    return chunks, keepalives, done
+
+
+def text_of(chunks: list[dict[str, Any]]) -> str:
+    out = []
+    for c in chunks:
+        for ch in c.get("choices") or []:
+            out.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+def finishes(chunks: list[dict[str, Any]]) -> list[str]:
+    return [ch["finish_reason"] for c in chunks for ch in c.get("choices") or []
+            if ch.get("finish_reason")]  # fmt: skip
+
+
+def completion(n: int, **kw: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": "hello", "max_tokens": n, "stream": True, **kw}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+async def test_completion_stream_continues_exactly(fakes, proxy, http, ranks) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=20, auto_recover_s=0.4)
+    others = [await fakes(name="b", token_delay_s=0.002)] if ranks == 2 else []
+    p = await proxy(settings_for([a, *others], weights=[100, 1][:ranks], hold=HOLD))
+    chunks, keepalives, done = await read_stream(http, p.url, "/v1/completions", completion(60))
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 60))
+    assert finishes(chunks) == ["length"] and done
+    assert len({c["id"] for c in chunks}) == 1
+    assert all(ch.get("token_ids") is None for c in chunks for ch in c["choices"])
+    if ranks == 1:  # held until the rank recovered
+        assert keepalives >= 2
+    metrics = p.app[METRICS]
+    assert metrics.resumes.labels("continuation")._value.get() == 1
+    assert metrics.streams_held._value.get() == 0
+
+
+async def test_chat_stream_continues_as_chat_with_usage(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=15, auto_recover_s=0.2)
+    p = await proxy(settings_for([a], hold=HOLD))
+    msgs = [{"role": "user", "content": "hi"}]
+    body = {"model": "fake-model", "messages": msgs, "max_tokens": 40, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}  # fmt: skip
+    chunks, _, done = await read_stream(http, p.url, "/v1/chat/completions", body)
+    expected = fault_free(chat_prompt(msgs), 40)
+    assert text_of(chunks) == detok(expected)
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1 and done
+    assert finishes(chunks) == ["length"]
+    ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert ids == expected  # asked for: token ids, spliced too
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    prompt_len = len(chat_prompt(msgs))
+    assert usage == [{"prompt_tokens": prompt_len, "completion_tokens": 40,
+                      "total_tokens": prompt_len + 40}]  # fmt: skip
+
+
+async def test_engine_side_resume_is_relayed_on(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=10, auto_recover_s=0.5,
+                    resume=True)  # fmt: skip
+    p = await proxy(settings_for([a], hold={**HOLD, "stall_s": 0.1}))
+    chunks, keepalives, _ = await read_stream(http, p.url, "/v1/completions", completion(30))
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 30))
+    assert finishes(chunks) == ["length"] and keepalives >= 2
+    assert len(a.received) == 1  # no continuation: the engine went on itself
+    assert p.app[METRICS].resumes.labels("engine")._value.get() == 1
+
+
+async def test_stop_string_straddling_the_splice(fakes, proxy, http) -> None:
+    expected = detok(fault_free(tokenize("hello"), 40))
+    # A stop string that starts in the last token before the fault and ends
+    # in the first token after it.
+    before = detok(fault_free(tokenize("hello"), 12))
+    stop = before[-3:] + expected[len(before) : len(before) + 3]
+    assert expected.find(stop) == len(before) - 3
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=12, auto_recover_s=0.1)
+    p = await proxy(settings_for([a], hold=HOLD))
+    chunks, _, _ = await read_stream(http, p.url, "/v1/completions", completion(40, stop=[stop]))
+    assert text_of(chunks) == expected[: len(before) - 3]
+    assert finishes(chunks) == ["stop"]
+    assert chunks[-1]["choices"][0]["stop_reason"] == stop
+
+
+async def test_fault_before_the_first_token_restarts(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002)
+    p = await proxy(settings_for([a], hold=HOLD))
+    a.fault_after, a.auto_recover_s = 0, 0.2
+    a.fault()  # already faulted: the request waits in the engine ...
+    task = asyncio.create_task(read_stream(http, p.url, "/v1/completions", completion(10)))
+    await asyncio.sleep(0.1)
+    a.recover()
+    chunks, _, _ = await task
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 10))
+
+
+async def test_abort_as_first_chunk_restarts_the_request(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=1, auto_recover_s=0.1)
+    b = await fakes(name="b", token_delay_s=0.002)
+    p = await proxy(settings_for([a, b], weights=[100, 1], hold=HOLD))
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 12, "stream": True}  # fmt: skip
+    chunks, _, _ = await read_stream(http, p.url, "/v1/chat/completions", body)
+    assert text_of(chunks) == detok(fault_free(chat_prompt(body["messages"]), 12))
+    roles = [c for c in chunks if "role" in c["choices"][0].get("delta", {})]
+    assert len(roles) == 1 and finishes(chunks) == ["length"]
+
+
+async def test_drop_between_final_token_and_done(fakes, proxy, http) -> None:
+    a = await fakes(name="a", drop_before_done=True)
+    p = await proxy(settings_for([a], hold=HOLD))
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", completion(8))
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 8)) and done
+    assert finishes(chunks) == ["length"] and len(a.received) == 1
+
+
+async def test_fault_during_the_continuation_itself(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=10, auto_recover_s=0.1)
+    p = await proxy(settings_for([a], hold=HOLD))
+
+    async def second_fault() -> None:
+        await a.recovered.wait()
+        a.fault_after = a.streamed + 8  # 8 tokens into the continuation
+
+    arm = asyncio.create_task(second_fault())
+    chunks, _, _ = await read_stream(http, p.url, "/v1/completions", completion(50))
+    await arm
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 50))
+    assert finishes(chunks) == ["length"] and len(a.received) == 3
+
+
+async def test_whole_answer_aborted_is_continued(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=7, auto_recover_s=0.1)
+    p = await proxy(settings_for([a], hold=HOLD))
+    client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="x", max_retries=0)
+    async with client:
+        answer = await client.completions.create(model="fake-model", prompt="hello",
+                                                 max_tokens=30)  # fmt: skip
+    assert answer.choices[0].text == detok(fault_free(tokenize("hello"), 30))
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None and answer.usage.completion_tokens == 30
+
+
+async def test_what_cannot_continue_ends_with_a_clear_error(fakes, proxy) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=5, auto_recover_s=0.1)
+    p = await proxy(settings_for([a], hold=HOLD))
+    client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="x", max_retries=0)
+    async with client:
+        stream = await client.completions.create(
+            model="fake-model", prompt="hello", max_tokens=30, stream=True, logprobs=1
+        )
+        with pytest.raises(openai.APIError, match="cannot be continued exactly"):
+            async for _ in stream:
+                pass
+
+
+async def test_hold_timeout_ends_with_an_error_event(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=5)  # never recovers
+    p = await proxy(settings_for([a], hold={**HOLD, "timeout_s": 0.5}))
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", completion(30))
+    assert chunks[-1]["error"]["code"] == "hold_timeout" and done
+    assert set(chunks[-1]["error"]) == {"message", "type", "code"}
+    assert text_of(chunks[:-1]) == detok(fault_free(tokenize("hello"), 5))
