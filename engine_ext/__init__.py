@@ -47,7 +47,8 @@ def register() -> None:
         from engine_ext import status_pub
 
         status_pub.install(address)
-    if os.environ.get("FTPROXY_RESUME_AFTER_RECOVERY") == "1":
+    resume_mode = os.environ.get("FTPROXY_RESUME_AFTER_RECOVERY")
+    if resume_mode in ("0", "1"):
         from engine_ext import resume
 
-        resume.install()
+        resume.install(resume=resume_mode == "1")

@@ -20,14 +20,24 @@ echo / suffix                change what the prompt means
 Greedy requests continue token-exact. Sampled requests continue with a fresh
 random state: same distribution, but a ``seed`` does not reproduce the tokens
 after the splice.
+
+Where a character's bytes span several tokens, the text of the first ones is
+still pending when the fault hits, and vLLM cannot decode a token-id prompt
+that ends inside a character. A greedy continuation therefore starts at the
+last clean boundary (the last token whose text was released) and generates
+the pending tokens again: identical ids, now with their text. The client gets
+that text but not the ids a second time.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger("ftproxy.continuation")
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -94,6 +104,8 @@ class Book:
     role_sent: bool = False
     pending: str = ""  # text held back while a stop string could still match
     stops: list[str] = field(default_factory=list)
+    clean: int = 0  # generated tokens whose text has been released
+    replay: list[int] = field(default_factory=list)  # ids sent already, generated again
 
     @classmethod
     def for_request(cls, kind: str, body: dict[str, Any]) -> Book:
@@ -117,7 +129,7 @@ class Book:
         if prompt and self.prompt_ids is None:
             self.prompt_ids = list(prompt)
         choice = choices[0]
-        self.generated.extend(choice.get("token_ids") or [])
+        self._count(choice.get("token_ids") or [], _text_of(choice, self.kind))
         if self.kind == CHAT and "role" in (choice.get("delta") or {}):
             if self.role_sent:  # restart: the client already has the role
                 choice["delta"].pop("role")
@@ -129,6 +141,13 @@ class Book:
             self.finish_reason = choice["finish_reason"]
         self._hide_ids(chunk)
         return Emit([_dumps(chunk)], finished=self.finish_reason is not None)
+
+    def _count(self, ids: list[int], text: str) -> None:
+        self.generated.extend(ids)
+        # Released text: every token so far decoded cleanly. With stop strings
+        # vLLM holds text back on its own, so the boundary is not visible.
+        if text or self.stops:
+            self.clean = len(self.generated)
 
     def _usage_passthrough(self, chunk: dict[str, Any]) -> Emit:
         if self.spliced or not self.wants_usage or self.usage_sent:
@@ -169,6 +188,9 @@ class Book:
             body = copy.deepcopy(self.body)
             body.update(stream=True, return_token_ids=True)
             return self._path(), body
+        if self.body.get("temperature") == 0 and self.clean < len(self.generated):
+            self.replay = self.generated[self.clean :] + self.replay
+            del self.generated[self.clean :]
         body = {k: self.body[k] for k in _CARRY if k in self.body}
         body.update(prompt=self.prompt_ids + self.generated, stream=True,
                     return_token_ids=True, add_special_tokens=False)  # fmt: skip
@@ -190,9 +212,9 @@ class Book:
         if not choices:
             return Emit()  # its usage counts the wrong prompt; ours comes at the end
         choice = choices[0]
-        ids = choice.get("token_ids") or []
-        self.generated.extend(ids)
         text, finish = choice.get("text") or "", choice.get("finish_reason")
+        ids = self._skip_replayed(choice.get("token_ids") or [])
+        self._count(choice.get("token_ids") or [], text)
         if finish == "abort":
             self.pending += text
             return Emit(aborted=True)
@@ -200,12 +222,22 @@ class Book:
         if stop_hit is not None:
             finish = "stop"
         emit = Emit()
-        if out or finish:
+        # Empty text still carries tokens (a UTF-8 character split across
+        # tokens): send the chunk, as vLLM does.
+        if out or finish or ids:
             emit.data.append(self._client_chunk(out, ids, finish, stop_hit, choice))
         if finish:
             self.finish_reason = finish
             emit.finished = True
         return emit
+
+    def _skip_replayed(self, ids: list[int]) -> list[int]:
+        """The ids the client has not had yet."""
+        n = min(len(self.replay), len(ids))
+        if n and ids[:n] != self.replay[:n]:
+            log.warning("greedy replay diverged at the splice: %s != %s", ids[:n], self.replay[:n])
+        del self.replay[:n]
+        return ids[n:]
 
     def _scan(self, text: str, final: bool) -> tuple[str, str | None]:
         """Release text, holding back what a stop string could still match.

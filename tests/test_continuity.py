@@ -201,3 +201,43 @@ async def test_hold_timeout_ends_with_an_error_event(fakes, proxy, http) -> None
     assert chunks[-1]["error"]["code"] == "hold_timeout" and done
     assert set(chunks[-1]["error"]) == {"message", "type", "code"}
     assert text_of(chunks[:-1]) == detok(fault_free(tokenize("hello"), 5))
+
+
+async def test_tokens_with_empty_text_are_not_dropped_at_the_splice() -> None:
+    from proxy.continuation import Book
+
+    book = Book.for_request("completion", {"prompt": "x", "max_tokens": 4,
+                                           "return_token_ids": True})  # fmt: skip
+    book.on_original({"id": "c", "created": 1, "model": "m", "object": "text_completion",
+                      "choices": [{"index": 0, "text": "a", "token_ids": [1],
+                                   "prompt_token_ids": [9]}]})  # fmt: skip
+    book.continuation()
+    emit = book.on_continuation({"choices": [{"text": "", "token_ids": [2]}]})
+    assert len(emit.data) == 1 and json.loads(emit.data[0])["choices"][0]["token_ids"] == [2]
+
+
+async def test_greedy_splice_starts_at_the_last_clean_boundary() -> None:
+    from proxy.continuation import Book
+
+    book = Book.for_request(
+        "completion", {"prompt": "x", "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+    )
+    first = {
+        "id": "c",
+        "created": 1,
+        "model": "m",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": "a", "token_ids": [1], "prompt_token_ids": [9]}],
+    }
+    book.on_original(first)
+    # Two tokens of one split character: no text released yet.
+    book.on_original({"id": "c", "choices": [{"index": 0, "text": "", "token_ids": [2]}]})
+    book.on_original({"id": "c", "choices": [{"index": 0, "text": "", "token_ids": [3]}]})
+    _, body = book.continuation()
+    assert body["prompt"] == [9, 1] and body["max_tokens"] == 9
+    emit = book.on_continuation({"choices": [{"text": "", "token_ids": [2]}]})
+    assert emit.data == []  # replayed id, no text yet: nothing new for the client
+    emit = book.on_continuation({"choices": [{"text": "é", "token_ids": [3, 4]}]})
+    chunk = json.loads(emit.data[0])["choices"][0]
+    assert chunk["text"] == "é" and chunk["token_ids"] == [4]
+    assert book.generated == [1, 2, 3, 4]
