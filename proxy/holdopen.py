@@ -248,10 +248,20 @@ class HeldStream:
         idle = time.monotonic() - self.last_event
         if idle > self.cfg.stall_s:
             self._hold(f"no event for {self.cfg.stall_s:.0f}s")
-        # A stream that still flows is not stalled, whatever the table says
-        # (it may lag the engine by a poll).
-        elif self.rank is not None and self.rank.status != HEALTHY and idle > self.cfg.keepalive_s:
-            self._hold(f"rank {self.rank.name} is {self.rank.status}")
+            return
+        # DP ranks step in lockstep: a fault anywhere in the group stalls this
+        # stream too, while its own rank still says healthy until its
+        # collective times out. A stream that still flows is not stalled,
+        # whatever the table says (it may lag the engine by a poll).
+        faulted = self._faulted_in_group()
+        if faulted is not None and idle > self.cfg.keepalive_s:
+            self._hold(f"rank {faulted.name} of its group is {faulted.status}")
+
+    def _faulted_in_group(self) -> Rank | None:
+        if self.rank is None:
+            return None
+        group = self.relay.table.group(self.rank.group)
+        return next((r for r in group if r.status != HEALTHY), None)
 
     async def _write(self, data: bytes) -> None:
         self.writing = True

@@ -64,6 +64,8 @@ class FakeRank:
     auto_recover_s: float | None = None
     # Drop the connection after the final token, before [DONE].
     drop_before_done: bool = False
+    # False: keep reporting healthy while faulted (a DP peer inside its timeout).
+    reports_fault: bool = True
     received: list[dict[str, Any]] = field(default_factory=list)
     disconnects: int = 0
     applies: list[dict[str, Any]] = field(default_factory=list)
@@ -114,8 +116,9 @@ class FakeRank:
     async def _status(self, request: web.Request) -> web.Response:
         if not self.has_ft:
             raise web.HTTPNotFound()
-        entry: dict[str, Any] = {"id": 0, "status": self.status}
-        if self.status != "healthy":
+        status = self.status if self.reports_fault else "healthy"
+        entry: dict[str, Any] = {"id": 0, "status": status}
+        if status != "healthy":
             entry["fault_info"] = "RuntimeError"
         if self.ft_error:
             entry["ft_error"] = self.ft_error

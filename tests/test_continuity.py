@@ -241,3 +241,16 @@ async def test_greedy_splice_starts_at_the_last_clean_boundary() -> None:
     chunk = json.loads(emit.data[0])["choices"][0]
     assert chunk["text"] == "é" and chunk["token_ids"] == [4]
     assert book.generated == [1, 2, 3, 4]
+
+
+async def test_a_peer_fault_holds_a_stalled_stream(fakes, proxy, http) -> None:
+    # The stream's own rank stalls but keeps saying healthy, as a DP peer of a
+    # faulted rank does until its collective times out; a peer of its group
+    # reports the fault.
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=10, auto_recover_s=0.6,
+                    resume=True, reports_fault=False)  # fmt: skip
+    peer = await fakes(name="peer", status="unhealthy")
+    p = await proxy(settings_for([a, peer], hold={**HOLD, "stall_s": 30}))
+    chunks, keepalives, _ = await read_stream(http, p.url, "/v1/completions", completion(30))
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 30)) and keepalives >= 1
+    assert p.app[METRICS].resumes.labels("engine")._value.get() == 1
