@@ -7,29 +7,34 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
-from proxy import generation, models
+from proxy import admin, generation, models
 from proxy.errors import NotFound, ProxyError, error_response
 from proxy.feed import Poller, PushFeed
 from proxy.inbound import check_api_key, read_body, read_json
 from proxy.metrics import Metrics
 from proxy.ranks import RankTable
+from proxy.recovery import AutoRecovery, Recovery
 from proxy.relay import Outbound, Relay
 from proxy.settings import Settings
+from proxy.state import (
+    CONFIG_PATH,
+    METRICS,
+    RECOVERY,
+    RELAY,
+    REQUEST_ID,
+    SESSION,
+    SETTINGS,
+    TABLE,
+)  # fmt: skip
 from proxy.upstream import make_session, request_headers
 
 log = logging.getLogger("ftproxy.app")
 
-SETTINGS = web.AppKey("settings", Settings)
-TABLE = web.AppKey("table", RankTable)
-METRICS = web.AppKey("metrics", Metrics)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
-RELAY = web.AppKey("relay", Relay)
-REQUEST_ID = web.RequestKey("request_id", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -108,6 +113,7 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     session = make_session(app[SETTINGS].timeouts)
     app[SESSION] = session
     app[RELAY] = Relay(app[TABLE], session, app[SETTINGS], app[METRICS])
+    app[RECOVERY] = Recovery(app[TABLE], session, app[SETTINGS], app[METRICS])
     yield
     await session.close()
 
@@ -120,16 +126,25 @@ async def _push(app: web.Application) -> None:
     await PushFeed(app[TABLE], app[SETTINGS].timeouts, app[METRICS]).run()
 
 
-def build_app(settings: Settings) -> web.Application:
+async def _auto_recovery(app: web.Application) -> None:
+    await AutoRecovery(app[RECOVERY]).run()
+
+
+def build_app(settings: Settings, config_path: Path | None = None) -> web.Application:
     app = web.Application(
-        middlewares=[errors_middleware], client_max_size=settings.limits.max_body_bytes
+        middlewares=[errors_middleware, admin.admin_auth],
+        client_max_size=settings.limits.max_body_bytes,
     )
     app[SETTINGS] = settings
+    if config_path is not None:
+        app[CONFIG_PATH] = config_path
     app[TABLE] = table = RankTable(settings.groups)
     app[METRICS] = Metrics(table)
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_background("poller", _poll))
     app.cleanup_ctx.append(_background("push-feed", _push))
+    app.cleanup_ctx.append(_background("auto-recovery", _auto_recovery))
+    admin.add_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)

@@ -20,6 +20,16 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the proxy")
     serve.add_argument("--config", type=Path, default=Path("config/proxy.yaml"))
+    for name, text in (("status", "live table of ranks"), ("retry", "run a retry round")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--url", default="http://127.0.0.1:8000", help="the proxy")
+        cmd.add_argument("--token", help="admin token (default: $FTPROXY_ADMIN__TOKEN)")
+        if name == "status":
+            cmd.add_argument("--once", action="store_true", help="print once and exit")
+        else:
+            cmd.add_argument("group")
+            cmd.add_argument("--wait", type=float, default=30.0, help="precondition wait, s")
+            cmd.add_argument("--recover", type=float, default=120.0, help="round deadline, s")
     return p
 
 
@@ -33,8 +43,27 @@ def _run(coro_factory: object) -> None:
     asyncio.run(coro_factory)  # type: ignore[arg-type]
 
 
+def _admin(args: argparse.Namespace) -> int:
+    from proxy import admin_cli
+
+    client = admin_cli.AdminClient(args.url, args.token)
+    if args.command == "status":
+        coro = admin_cli.status(client, args.once)
+    else:
+        coro = admin_cli.retry(client, args.group, args.wait, args.recover)
+    try:
+        return asyncio.run(coro)
+    except KeyboardInterrupt:
+        return 0
+    except OSError as e:
+        print(f"ft-proxy: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("status", "retry"):
+        return _admin(args)
     try:
         settings = load_settings(args.config)
     except ConfigError as e:
@@ -47,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from proxy.server import serve_forever
 
     with contextlib.suppress(KeyboardInterrupt):
-        _run(serve_forever(settings))
+        _run(serve_forever(settings, args.config))
     return 0
 
 

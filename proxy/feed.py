@@ -102,17 +102,19 @@ class PushFeed:
         self.table, self.t, self.metrics = table, t, metrics
 
     async def run(self) -> None:
-        tasks = [
-            asyncio.create_task(self._subscribe(r.name, r.status_feed))
-            for r in self.table
-            if r.status_feed
-        ]
+        tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         try:
-            await asyncio.gather(*tasks)
+            while True:  # follow config reloads: feeds come and go
+                wanted = {(r.name, r.status_feed) for r in self.table if r.status_feed}
+                for key in wanted - set(tasks):
+                    tasks[key] = asyncio.create_task(self._subscribe(*key))
+                for key in set(tasks) - wanted:
+                    tasks.pop(key).cancel()
+                await asyncio.sleep(1.0)
         finally:
-            for task in tasks:
+            for task in tasks.values():
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def _subscribe(self, name: str, address: str) -> None:
         import zmq

@@ -82,6 +82,14 @@ class Metrics:
         self.continuation_failures = Counter(
             "ftproxy_continuation_failures", "Continuation requests a rank refused", registry=r
         )
+        self.recovery_rounds = Counter(
+            "ftproxy_recovery_rounds", "Recovery rounds by group, outcome and trigger",
+            ["group", "outcome", "trigger"], registry=r,
+        )  # fmt: skip
+        self.auto_recovery = Counter(
+            "ftproxy_auto_recovery_decisions", "Automatic recovery decisions by group",
+            ["group", "decision"], registry=r,
+        )  # fmt: skip
         r.register(_RankStatusCollector(table))
 
     def render(self) -> bytes:

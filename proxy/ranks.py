@@ -30,6 +30,7 @@ class Rank:
     group: str
     weight: int
     status_feed: str | None = None
+    dp_rank: int = 0
     status: str = UNKNOWN
     fault_info: str | None = None
     # Last status entry as the rank reported it, unknown fields included.
@@ -52,7 +53,7 @@ class Rank:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "name": self.name, "url": self.url, "group": self.group,
+            "name": self.name, "url": self.url, "group": self.group, "dp_rank": self.dp_rank,
             "weight": self.weight, "status": self.status, "routable": self.routable,
             "reachable": self.reachable, "reason": self.reason, "source": self.source,
             "fault_info": self.fault_info, "detail": self.detail,
@@ -65,11 +66,33 @@ class Rank:
 class RankTable:
     def __init__(self, groups: Iterable[GroupConfig]) -> None:
         self.ranks: dict[str, Rank] = {}
-        for g in groups:
-            for r in g.ranks:
-                self.ranks[r.name] = Rank(r.name, r.url, g.name, r.weight, r.status_feed)
         self._changed = asyncio.Event()
         self.version = 0
+        self.apply(groups)
+
+    def apply(self, groups: Iterable[GroupConfig]) -> dict[str, list[str]]:
+        """Make the table match a (re-read) config; live state is kept.
+
+        Removed ranks leave the table; streams already on them hold their own
+        reference and are untouched. A rank whose url changed starts afresh.
+        """
+        wanted = {r.name: (g.name, i, r) for g in groups for i, r in enumerate(g.ranks)}
+        diff: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+        for name in [n for n in self.ranks if n not in wanted]:
+            del self.ranks[name]
+            diff["removed"].append(name)
+        for name, (group, index, cfg) in wanted.items():
+            rank = self.ranks.get(name)
+            dp_rank = cfg.dp_rank if cfg.dp_rank is not None else index
+            if rank is None or rank.url != cfg.url or rank.status_feed != cfg.status_feed:
+                diff["added" if rank is None else "changed"].append(name)
+                self.ranks[name] = Rank(name, cfg.url, group, cfg.weight, cfg.status_feed)
+            elif (rank.weight, rank.group) != (cfg.weight, group):
+                diff["changed"].append(name)
+                rank.weight, rank.group = cfg.weight, group
+            self.ranks[name].dp_rank = dp_rank
+        self.notify()
+        return diff
 
     def __iter__(self) -> Any:
         return iter(self.ranks.values())
@@ -116,10 +139,16 @@ class RankTable:
         self._changed = asyncio.Event()
 
     # A bool answer, not an exception, is what every caller branches on.
-    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:  # noqa: ASYNC109
-        """Wait until predicate() holds, re-checking on every change."""
-        deadline = time.monotonic() + timeout
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:  # noqa: ASYNC109
+        """Wait until predicate() holds, re-checking on every change.
+
+        ``timeout=None`` waits as long as it takes.
+        """
+        deadline = time.monotonic() + (timeout if timeout is not None else 0)
         while not predicate():
+            if timeout is None:
+                await self._changed.wait()
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False

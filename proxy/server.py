@@ -6,10 +6,13 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
+from proxy.admin import reload_config
 from proxy.app import build_app
+from proxy.errors import ProxyError
 from proxy.settings import Settings
 
 log = logging.getLogger("ftproxy.server")
@@ -31,9 +34,9 @@ class Running:
         await self.runner.cleanup()
 
 
-async def start(settings: Settings) -> Running:
+async def start(settings: Settings, config_path: Path | None = None) -> Running:
     """Start listening (port 0 picks a free port) and return the handle."""
-    app = build_app(settings)
+    app = build_app(settings, config_path)
     # handler_cancellation: a client that disconnects cancels its handler,
     # which closes the upstream request at once.
     runner = web.AppRunner(
@@ -46,13 +49,21 @@ async def start(settings: Settings) -> Running:
     return Running(runner, app, port)
 
 
-async def serve_forever(settings: Settings) -> None:
-    running = await start(settings)
+def _reload(app: web.Application) -> None:
+    try:
+        reload_config(app)
+    except ProxyError as e:
+        log.error("SIGHUP: %s", e.message)
+
+
+async def serve_forever(settings: Settings, config_path: Path | None = None) -> None:
+    running = await start(settings, config_path)
     log.info("ft-proxy listening on http://%s:%d", settings.listen.host, running.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload, running.app)
     try:
         await stop.wait()
     finally:

@@ -28,6 +28,9 @@ class RankConfig(BaseModel):
     name: str = Field(min_length=1)
     url: str
     weight: int = Field(1, ge=0)
+    # The rank's --data-parallel-rank (default: its position in the group);
+    # scale_down names removed ranks by it.
+    dp_rank: int | None = Field(None, ge=0)
     # ZMQ address of the engine plugin's status publisher, e.g. tcp://h:5570.
     status_feed: str | None = None
 
@@ -39,9 +42,25 @@ class RankConfig(BaseModel):
         return v.rstrip("/")
 
 
+class AutoRecoveryConfig(BaseModel):
+    """Retry a group on its own once all its ranks are unhealthy."""
+
+    enabled: bool = False
+    grace_s: float = Field(2.0, ge=0)  # whole group unhealthy this long: retry
+    max_attempts: int = Field(3, ge=1)  # failed rounds before waiting for a human
+    backoff_s: float = Field(5.0, ge=0)  # before attempt n+1: backoff_s * 2**(n-1)
+    recover_s: float = Field(60.0, gt=0)  # a round's deadline to get healthy
+
+
 class GroupConfig(BaseModel):
     name: str = Field(min_length=1)
     ranks: list[RankConfig] = Field(min_length=1)
+    auto_recovery: AutoRecoveryConfig = AutoRecoveryConfig()
+
+
+class Admin(BaseModel):
+    # Bearer token for /admin/*; unset: the admin plane is off (not open).
+    token: SecretStr | None = None
 
 
 class Timeouts(BaseModel):
@@ -78,6 +97,7 @@ class Settings(BaseSettings):
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
     hold: Hold = Hold()
+    admin: Admin = Admin()
     # Optional data-plane API keys (Authorization: Bearer <key>).
     api_keys: list[SecretStr] = []
     log_level: str = "INFO"

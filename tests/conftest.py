@@ -52,7 +52,7 @@ async def proxy() -> AsyncIterator[Callable[[Settings], Awaitable[Running]]]:
         r = await start(settings)
         running.append(r)
         if wait_routable:
-            from proxy.app import TABLE
+            from proxy.state import TABLE
 
             table: RankTable = r.app[TABLE]
 

@@ -66,6 +66,9 @@ class FakeRank:
     drop_before_done: bool = False
     # False: keep reporting healthy while faulted (a DP peer inside its timeout).
     reports_fault: bool = True
+    # The engine fails every FT instruction (stays unhealthy, reports ft_error).
+    apply_fails: bool = False
+    last_ft_request_id: str | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     disconnects: int = 0
     applies: list[dict[str, Any]] = field(default_factory=list)
@@ -122,16 +125,21 @@ class FakeRank:
             entry["fault_info"] = "RuntimeError"
         if self.ft_error:
             entry["ft_error"] = self.ft_error
+            entry["last_ft_request_id"] = self.last_ft_request_id
         return web.json_response({"schema_version": 1, "total_engines": 1, "engines": [entry]})
 
     async def _apply(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.applies.append(body)
-        if self.status != "unhealthy":
-            self.ft_error = f"Rejecting retry: status is {self.status.upper()}"
+        request_id = str(uuid.uuid4())
+        if self.status != "unhealthy" or self.apply_fails:
+            self.ft_error = f"Rejecting {body.get('instruction')}: status is {self.status.upper()}"
+            if self.apply_fails:
+                self.ft_error = "retry failed: gloo timeout"
+            self.last_ft_request_id = request_id
         else:
             asyncio.get_running_loop().call_later(self.recover_delay_s, self.recover)
-        return web.json_response({"request_id": str(uuid.uuid4())}, status=202)
+        return web.json_response({"request_id": request_id}, status=202)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({})  # stays 200 while unhealthy, as vLLM does

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.app import METRICS
+from proxy.state import METRICS
 from tests.conftest import settings_for
 from tests.fakes import chat_prompt, detok, next_token, tokenize
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.app import TABLE
+from proxy.state import TABLE
 from tests.conftest import FAST_POLL_S, settings_for
 
 

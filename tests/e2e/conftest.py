@@ -24,10 +24,10 @@ import aiohttp
 import pytest
 
 from engine_ext.rig.launcher import Rig, RigConfig
-from proxy.app import TABLE
 from proxy.ranks import RankTable
 from proxy.server import Running, start
 from proxy.settings import Settings
+from proxy.state import TABLE
 
 pytestmark = pytest.mark.e2e
 

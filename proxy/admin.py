@@ -1,0 +1,150 @@
+"""``/admin/*``: thin handlers over the rank table and recovery rounds.
+
+Every call needs ``Authorization: Bearer <admin.token>``. Without a token in
+the config (or ``FTPROXY_ADMIN__TOKEN``) the admin plane is off, not open.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, Field, ValidationError
+
+from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
+from proxy.recovery import RECOVERED, RoundReport, RoundSpec
+from proxy.settings import ConfigError, load_settings
+from proxy.state import CONFIG_PATH, RECOVERY, SETTINGS, TABLE
+
+log = logging.getLogger("ftproxy.admin")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class AdminOff(ProxyError):
+    status, type, code = 403, "permission_error", "admin_disabled"
+
+
+class RetryBody(BaseModel, extra="forbid"):
+    group: str
+    wait_unhealthy_s: float = Field(30.0, ge=0, le=3600)
+    recover_s: float = Field(120.0, gt=0, le=3600)
+
+
+class ScaleDownBody(RetryBody):
+    removed: list[str] = Field(min_length=1)  # rank names
+    dp_master_ip: str | None = None
+    dp_store_port: int | None = Field(None, gt=0, lt=65536)
+
+
+class WeightBody(BaseModel, extra="forbid"):
+    weight: int = Field(ge=0)
+
+
+@web.middleware
+async def admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith("/admin/"):
+        token = request.app[SETTINGS].admin.token
+        if token is None:
+            raise AdminOff("the admin plane is off: set admin.token (or FTPROXY_ADMIN__TOKEN)")
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {token.get_secret_value()}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise Unauthorized("missing or wrong admin token")
+    return await handler(request)
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> Any:
+    try:
+        return model.model_validate(json.loads(await request.read() or b"{}"))
+    except (ValueError, ValidationError) as e:
+        raise BadRequest(f"invalid body: {e}") from None
+
+
+def _group_or_404(request: web.Request, group: str) -> None:
+    if not request.app[TABLE].group(group):
+        raise NotFound(f"no group named {group!r}")
+
+
+def _report_response(report: RoundReport) -> web.Response:
+    status = 200 if report.outcome == RECOVERED else 409 if report.outcome != "failed" else 502
+    return web.json_response(report.as_dict(), status=status)
+
+
+async def ranks(request: web.Request) -> web.Response:
+    return web.json_response({"ranks": [r.snapshot() for r in request.app[TABLE]]})
+
+
+async def patch_rank(request: web.Request) -> web.Response:
+    rank = request.app[TABLE].ranks.get(request.match_info["name"])
+    if rank is None:
+        raise NotFound(f"no rank named {request.match_info['name']!r}")
+    body: WeightBody = await _body(request, WeightBody)
+    log.info("rank %s: weight %d -> %d (admin)", rank.name, rank.weight, body.weight)
+    rank.weight = body.weight
+    request.app[TABLE].notify()
+    return web.json_response(rank.snapshot())
+
+
+async def retry(request: web.Request) -> web.Response:
+    body: RetryBody = await _body(request, RetryBody)
+    _group_or_404(request, body.group)
+    spec = RoundSpec(body.group, wait_unhealthy_s=body.wait_unhealthy_s, recover_s=body.recover_s)
+    return _report_response(await request.app[RECOVERY].run(spec))
+
+
+async def scale_down(request: web.Request) -> web.Response:
+    body: ScaleDownBody = await _body(request, ScaleDownBody)
+    _group_or_404(request, body.group)
+    group = request.app[TABLE].group(body.group)
+    by_name = {r.name: r for r in group}
+    unknown = [n for n in body.removed if n not in by_name]
+    if unknown:
+        raise BadRequest(f"not ranks of group {body.group}: {', '.join(unknown)}")
+    survivors = [r for r in group if r.name not in body.removed]
+    if not survivors:
+        raise BadRequest("scale_down must leave at least one rank")
+    params: dict[str, Any] = {"removed_dp_ranks": sorted(by_name[n].dp_rank for n in body.removed)}
+    if min(r.dp_rank for r in group) in params["removed_dp_ranks"]:
+        if body.dp_master_ip is None or body.dp_store_port is None:
+            raise BadRequest("removing the lowest rank (the store master) needs "
+                             "dp_master_ip and dp_store_port")  # fmt: skip
+        params.update(dp_master_ip=body.dp_master_ip, dp_store_port=body.dp_store_port)
+    spec = RoundSpec(body.group, "scale_down", params, [r.name for r in survivors],
+                     body.wait_unhealthy_s, body.recover_s)  # fmt: skip
+    report = await request.app[RECOVERY].run(spec)
+    if report.outcome == RECOVERED:
+        for name in body.removed:  # stop routing to the removed ranks
+            by_name[name].weight = 0
+        request.app[TABLE].notify()
+    return _report_response(report)
+
+
+async def reload(request: web.Request) -> web.Response:
+    return web.json_response(reload_config(request.app))
+
+
+def reload_config(app: web.Application) -> dict[str, Any]:
+    """Re-read the config file: ranks added, removed, re-weighted."""
+    path = app.get(CONFIG_PATH)
+    if path is None:
+        raise BadRequest("the proxy was not started from a config file")
+    try:
+        fresh = load_settings(path)
+    except ConfigError as e:
+        raise BadRequest(f"config not reloaded: {e}") from None
+    diff = app[TABLE].apply(fresh.groups)
+    log.info("config reloaded from %s: %s", path, diff)
+    return diff
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/ranks", ranks)
+    app.router.add_patch("/admin/ranks/{name}", patch_rank)
+    app.router.add_post("/admin/retry", retry)
+    app.router.add_post("/admin/scale_down", scale_down)
+    app.router.add_post("/admin/reload", reload)

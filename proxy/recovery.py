@@ -1,0 +1,238 @@
+"""Recovery rounds: drive vLLM's FT ``retry`` (and ``scale_down``) for a group.
+
+A round for a group:
+
+1. **precondition** - wait (bounded) until every rank of the group is
+   ``unhealthy``; peers inside their collective timeout still say healthy. A
+   group with a ``dead`` rank is never retried (restart needed), and a round
+   is never sent to a group that is not fully unhealthy;
+2. **fan-out** - POST ``/fault_tolerance/apply`` to every rank at once, with
+   one shared round id (also in the body, which newer vLLM needs);
+3. **watch** - until every rank is healthy, or one reports ``ft_error`` for
+   this round, turns dead, or the deadline passes; then report per rank.
+
+One round per group at a time: a caller arriving while a round runs joins it
+and gets the same report. :class:`AutoRecovery` starts rounds on its own once
+a whole group has been unhealthy for a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+from proxy.metrics import Metrics
+from proxy.ranks import DEAD, HEALTHY, UNHEALTHY, Rank, RankTable
+from proxy.settings import Settings
+
+log = logging.getLogger("ftproxy.recovery")
+
+RECOVERED, FAILED, NOT_UNHEALTHY, RESTART_NEEDED = (
+    "recovered", "failed", "not_unhealthy", "restart_needed",
+)  # fmt: skip
+
+
+@dataclass
+class RankReport:
+    name: str
+    status_before: str
+    status_after: str = ""
+    sent: bool = False
+    http_status: int | None = None
+    engine_request_id: str | None = None
+    ft_error: str | None = None
+    error: str | None = None
+    healthy_after_s: float | None = None
+
+
+@dataclass
+class RoundReport:
+    group: str
+    round_id: str
+    instruction: str
+    outcome: str = FAILED
+    message: str = ""
+    waited_s: float = 0.0
+    took_s: float = 0.0
+    ranks: list[RankReport] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RoundSpec:
+    group: str
+    instruction: str = "retry"
+    params: dict[str, Any] = field(default_factory=dict)
+    targets: list[str] | None = None  # default: every rank of the group
+    wait_unhealthy_s: float = 30.0
+    recover_s: float = 120.0
+
+
+class Recovery:
+    def __init__(
+        self, table: RankTable, session: aiohttp.ClientSession, settings: Settings, metrics: Metrics
+    ) -> None:
+        self.table, self.session, self.settings, self.metrics = table, session, settings, metrics
+        self._rounds: dict[str, asyncio.Task[RoundReport]] = {}
+
+    def running(self, group: str) -> bool:
+        task = self._rounds.get(group)
+        return task is not None and not task.done()
+
+    async def run(self, spec: RoundSpec, trigger: str = "admin") -> RoundReport:
+        """Start a round for the group, or join the one already running."""
+        task = self._rounds.get(spec.group)
+        if task is None or task.done():
+            task = asyncio.create_task(self._round(spec, trigger), name=f"round-{spec.group}")
+            self._rounds[spec.group] = task
+        return await asyncio.shield(task)
+
+    async def _round(self, spec: RoundSpec, trigger: str) -> RoundReport:
+        ranks = self._targets(spec)
+        report = RoundReport(spec.group, uuid.uuid4().hex, spec.instruction)
+        report.ranks = [RankReport(r.name, r.status) for r in ranks]
+        started = time.monotonic()
+        log.info("round %s (%s, %s) for group %s: waiting for %s to be unhealthy",
+                 report.round_id, spec.instruction, trigger, spec.group,
+                 ", ".join(r.name for r in ranks))  # fmt: skip
+        if await self._precondition(ranks, spec, report):
+            await self._fan_out(ranks, spec, report)
+            if all(rr.sent for rr in report.ranks):
+                await self._watch(ranks, spec, report)
+            else:
+                report.outcome, report.message = FAILED, "the instruction did not reach every rank"
+        report.took_s = round(time.monotonic() - started, 3)
+        for rr, rank in zip(report.ranks, ranks, strict=True):
+            rr.status_after = rank.status
+        self.metrics.recovery_rounds.labels(spec.group, report.outcome, trigger).inc()
+        log.info("round %s for group %s: %s %s", report.round_id, spec.group, report.outcome,
+                 report.message)  # fmt: skip
+        return report
+
+    def _targets(self, spec: RoundSpec) -> list[Rank]:
+        group = self.table.group(spec.group)
+        if spec.targets is None:
+            return group
+        return [r for r in group if r.name in spec.targets]
+
+    async def _precondition(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> bool:
+        def settled() -> bool:
+            return all(r.status == UNHEALTHY for r in ranks) or any(r.status == DEAD for r in ranks)
+
+        t0 = time.monotonic()
+        await self.table.wait_for(settled, spec.wait_unhealthy_s)
+        report.waited_s = round(time.monotonic() - t0, 3)
+        dead = [r.name for r in ranks if r.status == DEAD]
+        if dead:
+            report.outcome = RESTART_NEEDED
+            report.message = f"dead rank(s) {', '.join(dead)}: restart the group; not retried"
+            return False
+        laggards = [f"{r.name} is {r.status}" for r in ranks if r.status != UNHEALTHY]
+        if laggards:
+            report.outcome = NOT_UNHEALTHY
+            report.message = (f"not every rank got unhealthy within {spec.wait_unhealthy_s:g}s "
+                              f"({'; '.join(laggards)}); nothing sent")  # fmt: skip
+            return False
+        return True
+
+    async def _fan_out(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> None:
+        body = {"instruction": spec.instruction, "params": spec.params,
+                "request_id": report.round_id}  # fmt: skip
+        await asyncio.gather(*(
+            self._apply(rank, body, rr) for rank, rr in zip(ranks, report.ranks, strict=True)
+        ))  # fmt: skip
+
+    async def _apply(self, rank: Rank, body: dict[str, Any], rr: RankReport) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeouts.poll_timeout_s * 5)
+        try:
+            async with self.session.post(
+                rank.url + "/fault_tolerance/apply", json=body, timeout=timeout
+            ) as r:
+                rr.http_status = r.status
+                answer = await r.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            rr.error = f"{type(e).__name__}: {e}"
+            return
+        rr.sent = rr.http_status == 202
+        if isinstance(answer, dict):
+            rr.engine_request_id = answer.get("request_id")
+            if not rr.sent:
+                rr.error = str(answer.get("detail") or answer.get("error") or answer)
+
+    async def _watch(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> None:
+        ids = {rr.engine_request_id for rr in report.ranks} | {report.round_id}
+        t0 = time.monotonic()
+
+        def failed_here(rank: Rank) -> bool:
+            return rank.status == DEAD or (
+                bool(rank.detail.get("ft_error")) and rank.detail.get("last_ft_request_id") in ids
+            )
+
+        def done() -> bool:
+            for rank, rr in zip(ranks, report.ranks, strict=True):
+                if rank.status == HEALTHY and rr.healthy_after_s is None:
+                    rr.healthy_after_s = round(time.monotonic() - t0, 3)
+            return all(r.status == HEALTHY for r in ranks) or any(failed_here(r) for r in ranks)
+
+        await self.table.wait_for(done, spec.recover_s)
+        for rank, rr in zip(ranks, report.ranks, strict=True):
+            if failed_here(rank):
+                rr.ft_error = str(rank.detail.get("ft_error") or rank.status)
+        if all(r.status == HEALTHY for r in ranks):
+            report.outcome, report.message = RECOVERED, "every rank is healthy"
+        elif any(rr.ft_error for rr in report.ranks):
+            report.outcome, report.message = FAILED, "a rank rejected or failed the instruction"
+        else:
+            report.outcome = FAILED
+            report.message = f"not every rank healthy within {spec.recover_s:g}s"
+
+
+class AutoRecovery:
+    """Start retry rounds on its own for groups that have it switched on."""
+
+    def __init__(self, recovery: Recovery) -> None:
+        self.recovery = recovery
+        self.table = recovery.table
+        self.metrics = recovery.metrics
+
+    async def run(self) -> None:
+        groups = [g for g in self.recovery.settings.groups if g.auto_recovery.enabled]
+        await asyncio.gather(*(self._watch_group(g.name) for g in groups))
+
+    async def _watch_group(self, name: str) -> None:
+        cfg = next(g for g in self.recovery.settings.groups if g.name == name).auto_recovery
+        attempts = 0
+        while True:
+            await self.table.wait_for(lambda: self._all_unhealthy(name), float("inf"))
+            if attempts >= cfg.max_attempts:
+                self._decide(name, "gave_up", f"{attempts} rounds failed; waiting for a human")
+                await self.table.wait_for(lambda: not self._all_unhealthy(name), float("inf"))
+                attempts = 0
+                continue
+            delay = cfg.grace_s if attempts == 0 else cfg.backoff_s * 2 ** (attempts - 1)
+            await asyncio.sleep(delay)
+            if not self._all_unhealthy(name):
+                self._decide(name, "skipped", "the group changed during the grace period")
+                continue
+            attempts += 1
+            self._decide(name, "retry", f"attempt {attempts}/{cfg.max_attempts} after {delay:g}s")
+            spec = RoundSpec(group=name, wait_unhealthy_s=1.0, recover_s=cfg.recover_s)
+            report = await self.recovery.run(spec, trigger="auto")
+            if report.outcome == RECOVERED:
+                attempts = 0
+
+    def _all_unhealthy(self, name: str) -> bool:
+        ranks = self.table.group(name)
+        return bool(ranks) and all(r.status == UNHEALTHY for r in ranks)
+
+    def _decide(self, group: str, decision: str, why: str) -> None:
+        self.metrics.auto_recovery.labels(group, decision).inc()
+        log.info("auto-recovery for group %s: %s (%s)", group, decision, why)

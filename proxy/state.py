@@ -1,0 +1,23 @@
+"""The app's typed state keys, shared by every module that reads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from proxy.metrics import Metrics
+from proxy.ranks import RankTable
+from proxy.recovery import Recovery
+from proxy.relay import Relay
+from proxy.settings import Settings
+
+SETTINGS = web.AppKey("settings", Settings)
+TABLE = web.AppKey("table", RankTable)
+METRICS = web.AppKey("metrics", Metrics)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+RELAY = web.AppKey("relay", Relay)
+RECOVERY = web.AppKey("recovery", Recovery)
+CONFIG_PATH = web.AppKey("config_path", Path)
+REQUEST_ID = web.RequestKey("request_id", str)
