@@ -13,7 +13,9 @@ import openai
 import pytest
 
 from engine_ext.rig.launcher import SERVED_MODEL
-from tests.e2e.conftest import LiveRig, rank_statuses, retry_all
+from proxy.server import start
+from proxy.state import METRICS, TABLE
+from tests.e2e.conftest import LiveRig, proxy_for, rank_statuses, retry_all
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +50,10 @@ async def test_completions_and_chat_are_served_by_both_ranks(rig_proxy) -> None:
 
 
 async def _stream_for_steps(url: str) -> None:
-    """A long stream that keeps the DP group stepping (the fault needs steps)."""
+    """A long stream that keeps the DP group stepping (the fault needs steps).
+
+    Sent straight to a rank, so what the proxy learns comes from its feeds.
+    """
     body = {"model": SERVED_MODEL, "prompt": "Data parallel", "max_tokens": 300,
             "temperature": 0, "stream": True}  # fmt: skip
     async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body) as r:
@@ -67,7 +72,7 @@ async def test_fault_push_feed_hold_and_recovery(healthy_rig: LiveRig, rig_proxy
     running, table = rig_proxy
     r0, r1 = table.ranks["r0"], table.ranks["r1"]
     healthy_rig.arm_fault(steps_from_now=5)
-    driver = asyncio.create_task(_stream_for_steps(running.url))
+    driver = asyncio.create_task(_stream_for_steps(healthy_rig.urls()[0]))
 
     # Rank 1 faults: the proxy learns it from the push feed.
     assert await table.wait_for(lambda: r1.status == "unhealthy", 30.0)
@@ -117,3 +122,46 @@ def test_each_plugin_part_can_be_switched_off() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all parts off: nothing patched" in proc.stdout
     assert "all parts on: everything patched" in proc.stdout
+
+
+async def test_admin_retry_recovers_a_faulted_group(healthy_rig: LiveRig) -> None:
+    async with proxy_for(healthy_rig, admin={"token": "t"}) as (running, table):
+        healthy_rig.arm_fault(steps_from_now=5)
+        driver = asyncio.create_task(_stream_for_steps(healthy_rig.urls()[0]))
+        assert await table.wait_for(lambda: table.ranks["r1"].status == "unhealthy", 30.0)
+        headers = {"Authorization": "Bearer t"}
+        async with aiohttp.ClientSession() as http:
+            # Called as soon as rank 1 faults: the round waits for rank 0.
+            async with http.post(running.url + "/admin/retry", json={"group": "dp-a"},
+                                 headers=headers) as r:  # fmt: skip
+                report = await r.json()
+            assert r.status == 200 and report["outcome"] == "recovered", report
+            assert all(rr["sent"] and rr["status_after"] == "healthy" for rr in report["ranks"])
+            assert report["waited_s"] > 1.0  # rank 0 needed its collective timeout
+            await asyncio.wait_for(driver, 120)
+            answer = await _held_request(running.url)  # traffic flows again
+            assert answer["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+
+
+async def test_auto_recovery_with_no_human_call(healthy_rig: LiveRig) -> None:
+    groups_extra = {"auto_recovery": {"enabled": True, "grace_s": 1.0}}
+    settings = healthy_rig.settings()
+    settings.groups[0].auto_recovery = settings.groups[0].auto_recovery.model_validate(
+        groups_extra["auto_recovery"]
+    )
+    running = await start(settings)
+    table = running.app[TABLE]
+    try:
+        assert await table.wait_for(lambda: all(r.routable for r in table), 10.0)
+        healthy_rig.arm_fault(steps_from_now=5)
+        driver = asyncio.create_task(_stream_for_steps(healthy_rig.urls()[0]))
+        assert await table.wait_for(lambda: not table.any_routable(), 30.0)
+        # Nobody calls retry: the proxy does.
+        assert await table.wait_for(lambda: all(r.routable for r in table), 60.0)
+        await asyncio.wait_for(driver, 120)
+        answer = await _held_request(running.url)
+        assert answer["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+        rounds = running.app[METRICS].recovery_rounds.labels("dp-a", "recovered", "auto")
+        assert rounds._value.get() == 1
+    finally:
+        await running.stop()
