@@ -32,10 +32,12 @@ that text but not the ids a second time.
 from __future__ import annotations
 
 import copy
-import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 log = logging.getLogger("ftproxy.continuation")
 
@@ -116,6 +118,25 @@ class Book:
         )  # fmt: skip
 
     # -- the original stream ------------------------------------------------
+    def on_original_bytes(self, data: bytes) -> Emit | None:
+        """The common chunk (one token, not the first, not the last), on bytes.
+
+        Parsing and re-serializing every chunk costs more than the rest of
+        the relay together; only chunks that carry more than a token (the
+        first, a finish, an abort, usage) need it. None: parse this one.
+        """
+        if (self.template is None or self.spliced or data.count(b'"finish_reason":null') != 1
+                or b'"prompt_token_ids":[' in data or b'"index":0' not in data):  # fmt: skip
+            return None
+        m = _IDS.search(data)
+        if m is None:
+            return None
+        ids = [int(x) for x in m.group(1).split(b",") if x.strip()]
+        self._count(ids, "" if any(e in data for e in _EMPTY_TEXT) else "x")
+        if not self.wants_ids:
+            data = data[: m.start()] + b'"token_ids":null' + data[m.end() :]
+        return Emit([data])
+
     def on_original(self, chunk: dict[str, Any]) -> Emit:
         """A chunk of the stream as first sent (or restarted from scratch)."""
         choices = chunk.get("choices") or []
@@ -306,4 +327,20 @@ def _base(template: dict[str, Any] | None, kind: str) -> dict[str, Any]:
 
 
 def _dumps(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return orjson.dumps(obj)
+
+
+# Machine-written JSON: a quote inside a string is escaped, so these byte
+# patterns can only match keys, never text.
+_IDS = re.compile(rb'"token_ids":\s*\[([^\]]*)\]')
+_PROMPT_IDS = re.compile(rb'"prompt_token_ids":\s*\[[^\]]*\]')
+ABORT = re.compile(rb'"finish_reason":\s*"abort"')
+
+
+def hide_ids(data: bytes) -> bytes:
+    """Null the token-id fields of a whole answer, as vLLM sends them unasked."""
+    data = _IDS.sub(b'"token_ids":null', data)
+    return _PROMPT_IDS.sub(b'"prompt_token_ids":null', data)
+
+
+_EMPTY_TEXT = (b'"text":""', b'"content":""')

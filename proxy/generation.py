@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy.continuation import CHAT, COMPLETION, Book, refusal
+from proxy.continuation import ABORT, CHAT, COMPLETION, Book, hide_ids, refusal
 from proxy.errors import error_body
 from proxy.holdopen import Collector, HeldStream
 from proxy.relay import Attempt, Outbound, Relay
@@ -30,7 +30,12 @@ async def forward(
 ) -> web.StreamResponse:
     book = Book.for_request(kind, body)
     if not body.get("return_token_ids"):
-        out.body = json.dumps({**body, "return_token_ids": True}).encode()
+        # The last of duplicate keys wins in JSON parsers (vLLM's included),
+        # so appending is enough, and cheaper than re-serializing the body.
+        raw = out.body.rstrip()
+        out.body = raw[:-1] + (
+            b',"return_token_ids":true}' if body else b'"return_token_ids":true}'
+        )
     respond = _stream if body.get("stream") else _whole
     return await relay.forward(request, out, partial(respond, relay, out, book, refusal(body)))
 
@@ -60,13 +65,13 @@ async def _whole(
         raw = None  # lost before the answer: start over
     finally:
         up.release()
-    answer = _json(raw) if raw is not None else None
     # Errors were already retried on other ranks by the relay: pass them on.
-    if raw is not None and (up.status != 200 or not _aborted(answer)):
-        if answer is not None and up.status == 200 and not book.wants_ids:
-            raw = _hide_ids(answer)
+    if raw is not None and (up.status != 200 or not ABORT.search(raw)):
+        if up.status == 200 and not book.wants_ids:
+            raw = hide_ids(raw)
         return web.Response(body=raw, status=up.status, headers=response_headers(up.headers))
-    if answer is not None and _aborted(answer):
+    answer = _json(raw) if raw is not None else None
+    if answer is not None:
         book.take_partial(answer)
     collector = Collector()
     await HeldStream(relay, out, book, refused, collector).run(None)
@@ -79,21 +84,6 @@ def _json(raw: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
-
-
-def _aborted(answer: dict[str, Any] | None) -> bool:
-    choices = (answer or {}).get("choices") or [{}]
-    return bool(choices[0].get("finish_reason") == "abort")
-
-
-def _hide_ids(answer: dict[str, Any]) -> bytes:
-    if "prompt_token_ids" in answer:
-        answer["prompt_token_ids"] = None
-    for c in answer.get("choices") or []:
-        for key in ("token_ids", "prompt_token_ids"):
-            if key in c:
-                c[key] = None
-    return json.dumps(answer).encode()
 
 
 def _assemble(book: Book, events: list[bytes]) -> web.Response:

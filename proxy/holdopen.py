@@ -18,12 +18,12 @@ A hold that lasts ``timeout_s``, a request that cannot be continued exactly
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, Protocol
 
 import aiohttp
+import orjson
 
 from proxy.continuation import Book, Emit
 from proxy.errors import ProxyError, error_body
@@ -35,7 +35,7 @@ from proxy.sse import DONE, KEEPALIVE, SSEParser, event
 
 log = logging.getLogger("ftproxy.hold")
 
-FINISHED, ABORTED, LOST = "finished", "aborted", "lost"
+FINISHED, ABORTED, UPSTREAM_ERROR = "finished", "aborted", "upstream error"
 
 
 class StreamFailed(Exception):
@@ -95,7 +95,9 @@ class HeldStream:
             if attempt is None:
                 self._hold("aborted by the engine")
                 attempt, handle = await self._continuation(), self.book.on_continuation
-            while await self._pump(attempt, handle) != FINISHED:
+            while (outcome := await self._pump(attempt, handle)) != FINISHED:
+                if outcome == UPSTREAM_ERROR:
+                    break  # its error event already went to the client
                 attempt = await self._continuation()
                 handle = self.book.on_continuation
         except StreamFailed as e:
@@ -103,7 +105,7 @@ class HeldStream:
             for data in self.book.closing():
                 await self._write(event(data))
             body = error_body(str(e), "server_error", e.code)
-            await self._write(event(json.dumps(body).encode()))
+            await self._write(event(orjson.dumps(body)))
         else:
             for data in self.book.closing():
                 await self._write(event(data))
@@ -119,10 +121,17 @@ class HeldStream:
                 if self.held_since is not None:
                     self._unhold(self.resume_mode)
                     self.resume_mode = "engine"
+                # One write per upstream read, however many events it held.
+                out: list[bytes] = []
+                outcome = None
                 for data in parser.feed(chunk):
-                    outcome = await self._on_event(data, handle)
+                    outcome = self._on_event(data, handle, out)
                     if outcome is not None:
-                        return outcome
+                        break
+                if out:
+                    await self._write(b"".join(out))
+                if outcome is not None:
+                    return outcome
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             log.info("[%s] upstream %s lost: %r", self.out.request_id, attempt.rank.name, e)
         finally:
@@ -130,19 +139,25 @@ class HeldStream:
             self.upstream = None
         return FINISHED if self.book.finish_reason else self._fault("connection lost")
 
-    async def _on_event(self, data: bytes, handle: Any) -> str | None:
+    def _on_event(self, data: bytes, handle: Any, out: list[bytes]) -> str | None:
+        """Turn one upstream event into client events (appended to ``out``)."""
         if data == DONE:
             return FINISHED if self.book.finish_reason else self._fault("ended unfinished")
+        fast = self.book.on_original_bytes(data) if handle == self.book.on_original else None
+        if fast is not None:
+            out.extend(event(d) for d in fast.data)
+            return None
         try:
-            chunk = json.loads(data)
-        except ValueError:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(chunk, dict):
             return None
         if "error" in chunk and "choices" not in chunk:
-            await self._write(event(data))  # the engine's own error: pass it on, stop
-            raise StreamFailed("upstream error", "upstream_error")
+            out.append(event(data))  # the engine's own error: pass it on, stop
+            return UPSTREAM_ERROR
         emit: Emit = handle(chunk)
-        for out in emit.data:
-            await self._write(event(out))
+        out.extend(event(d) for d in emit.data)
         if emit.aborted:
             self._mark_faulted()
             return self._fault("aborted by the engine")
@@ -174,8 +189,7 @@ class HeldStream:
                                "stream_aborted")  # fmt: skip
         while (remaining := self._hold_left()) > 0:
             path, body = self.book.continuation()
-            out = Outbound("POST", path, self.out.headers, json.dumps(body).encode(),
-                           self.out.request_id)  # fmt: skip
+            out = Outbound("POST", path, self.out.headers, orjson.dumps(body), self.out.request_id)
             try:
                 # A rank that faults before answering holds the request: bound it.
                 async with asyncio.timeout(remaining):

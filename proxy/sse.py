@@ -17,6 +17,10 @@ class SSEParser:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        # The common case: exactly one whole single-line event.
+        if (not self._buf and chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
+                and chunk.count(b"\n") == 2):  # fmt: skip
+            return [chunk[6:-2]]
         buf = self._buf + chunk if self._buf else chunk
         if b"\n\n" not in buf and b"\r\n\r\n" not in buf:
             self._buf = buf

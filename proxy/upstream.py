@@ -28,8 +28,9 @@ def make_session(t: Timeouts) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
     timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s)
     return aiohttp.ClientSession(
-        connector=connector, timeout=timeout, auto_decompress=False, trust_env=False
-    )
+        connector=connector, timeout=timeout, auto_decompress=False, trust_env=False,
+        cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies of its own
+    )  # fmt: skip
 
 
 def request_headers(

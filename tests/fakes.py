@@ -330,4 +330,5 @@ class _Stream:
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+    # Compact, as vLLM writes its chunks.
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

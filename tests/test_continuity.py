@@ -254,3 +254,28 @@ async def test_a_peer_fault_holds_a_stalled_stream(fakes, proxy, http) -> None:
     chunks, keepalives, _ = await read_stream(http, p.url, "/v1/completions", completion(30))
     assert text_of(chunks) == detok(fault_free(tokenize("hello"), 30)) and keepalives >= 1
     assert p.app[METRICS].resumes.labels("engine")._value.get() == 1
+
+
+def test_common_chunks_take_the_byte_path_and_match_the_parsed_one() -> None:
+    from proxy.continuation import Book
+
+    def chunk(i: int, text: str) -> bytes:
+        return json.dumps({"id": "c", "object": "text_completion", "created": 1, "model": "m",
+                           "choices": [{"index": 0, "text": text, "logprobs": None,
+                                        "finish_reason": None, "stop_reason": None,
+                                        "prompt_token_ids": None, "token_ids": [i]}]},
+                          separators=(",", ":"), ensure_ascii=False).encode()  # fmt: skip
+
+    book = Book.for_request("completion", {"prompt": "x"})
+    assert book.on_original_bytes(chunk(1, "a")) is None  # the first chunk is parsed
+    book.on_original(json.loads(chunk(1, "a")))
+    fast = book.on_original_bytes(chunk(2, 'b "q" é'))
+    assert fast is not None and book.generated == [1, 2] and book.clean == 2
+    slow = Book.for_request("completion", {"prompt": "x"})
+    slow.on_original(json.loads(chunk(1, "a")))
+    assert json.loads(fast.data[0]) == json.loads(
+        slow.on_original(json.loads(chunk(2, 'b "q" é'))).data[0]
+    )
+    assert book.on_original_bytes(chunk(3, "")) is not None and book.clean == 2  # pending text
+    final = chunk(4, "z").replace(b'"finish_reason":null', b'"finish_reason":"length"')
+    assert book.on_original_bytes(final) is None  # a finish is parsed
