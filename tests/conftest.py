@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -14,6 +15,12 @@ from proxy.settings import Settings
 from tests.fakes import FakeRank
 
 FAST_POLL_S = 0.05
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def settings_for(ranks: list[FakeRank], weights: list[int] | None = None, **extra: Any) -> Settings:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import aiohttp
 import yaml
 
 from proxy.state import METRICS, TABLE
-from tests.conftest import settings_for
+from tests.conftest import free_port, settings_for
 
 TOKEN = "s3cret-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -220,12 +219,6 @@ async def test_reload_adds_removes_reweights_and_spares_streams(fakes, http, tmp
         assert sorted(table.ranks) == ["a", "c"] and table.ranks["a"].weight == 5
     finally:
         await running.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_sighup_reloads_and_cli_shows_the_table(fakes, http, tmp_path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
@@ -18,12 +17,7 @@ from proxy.ranks import HEALTHY, RankTable
 from proxy.relay import Outbound, Relay
 from proxy.settings import Settings, Timeouts
 from proxy.upstream import make_session
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.conftest import free_port
 
 
 async def test_refused_connection_fails_over_and_marks_rank(fakes) -> None:

@@ -6,6 +6,7 @@ request to paste, and runs until Ctrl-C; then stops everything it started.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -44,9 +45,13 @@ async def _serve() -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--fault-inject", help="fault rank 1 at DP steps, e.g. 'rank=1;steps=400'")
+    args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print("starting 2 vLLM CPU ranks (about a minute; logs in .rig/logs) ...", flush=True)
-    with Rig(RigConfig(ranks=2)), contextlib.suppress(KeyboardInterrupt):
+    cfg = RigConfig(ranks=2, fault_inject=args.fault_inject)
+    with Rig(cfg), contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve())
     sys.exit(0)
 
