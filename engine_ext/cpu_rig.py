@@ -33,9 +33,9 @@ def install() -> None:
         CpuCommunicator,
     )
 
-    CpuCommunicator.all_gatherv = _all_gatherv  # type: ignore[method-assign]
-    CpuCommunicator.reduce_scatterv = _reduce_scatterv  # type: ignore[method-assign]
-    all2all.AgRsAll2AllManager.clean_buffers = _no_buffers  # type: ignore[method-assign]
+    CpuCommunicator.all_gatherv = _all_gatherv
+    CpuCommunicator.reduce_scatterv = _reduce_scatterv
+    all2all.AgRsAll2AllManager.clean_buffers = _no_buffers
     _INSTALLED = True
 
 

@@ -139,11 +139,11 @@ def install(resume: bool) -> None:
         return
     from vllm.v1.fault_tolerance.engine_core_sentinel import EngineCoreSentinel
 
-    EngineCoreSentinel.on_fault = _on_fault(EngineCoreSentinel.on_fault, resume)  # type: ignore[method-assign]
+    EngineCoreSentinel.on_fault = _on_fault(EngineCoreSentinel.on_fault, resume)
     if resume:
         from vllm.v1.worker.sentinel.gpu_worker_sentinel import WorkerSentinel
 
-        WorkerSentinel._clean_worker_state = _clean_keeping_requests(  # type: ignore[method-assign]
+        WorkerSentinel._clean_worker_state = _clean_keeping_requests(
             WorkerSentinel._clean_worker_state
         )
     _INSTALLED = True

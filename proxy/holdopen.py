@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import aiohttp
@@ -36,6 +37,10 @@ from proxy.sse import DONE, KEEPALIVE, SSEParser, event
 log = logging.getLogger("ftproxy.hold")
 
 FINISHED, ABORTED, UPSTREAM_ERROR = "finished", "aborted", "upstream error"
+
+
+# Book.on_original or Book.on_continuation: one parsed chunk in, client chunks out.
+Handle = Callable[[dict[str, Any]], Emit]
 
 
 class StreamFailed(Exception):
@@ -111,7 +116,7 @@ class HeldStream:
                 await self._write(event(data))
         await self._write(event(DONE))
 
-    async def _pump(self, attempt: Attempt, handle: Any) -> str:
+    async def _pump(self, attempt: Attempt, handle: Handle) -> str:
         """Relay one upstream's events; say how it ended."""
         self.rank, self.upstream = attempt.rank, attempt.response
         parser = SSEParser()
@@ -139,7 +144,7 @@ class HeldStream:
             self.upstream = None
         return FINISHED if self.book.finish_reason else self._fault("connection lost")
 
-    def _on_event(self, data: bytes, handle: Any, out: list[bytes]) -> str | None:
+    def _on_event(self, data: bytes, handle: Handle, out: list[bytes]) -> str | None:
         """Turn one upstream event into client events (appended to ``out``)."""
         if data == DONE:
             return FINISHED if self.book.finish_reason else self._fault("ended unfinished")
