@@ -42,8 +42,10 @@ def test_env_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_shipped_configs_are_valid() -> None:
-    for path in Path("config").glob("*.yaml"):
-        load_settings(path)
+    paths = sorted(Path("config").glob("*.yaml"))
+    assert {p.name for p in paths} >= {"proxy.yaml", "example.yaml", "compose.yaml"}
+    for path in paths:
+        assert load_settings(path).groups[0].ranks, path
 
 
 @pytest.mark.parametrize(
