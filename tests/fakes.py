@@ -72,6 +72,7 @@ class FakeRank:
     received: list[dict[str, Any]] = field(default_factory=list)
     disconnects: int = 0
     applies: list[dict[str, Any]] = field(default_factory=list)
+    status_at_apply: list[str] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
     _healthy: asyncio.Event = field(default_factory=asyncio.Event)
@@ -131,6 +132,7 @@ class FakeRank:
     async def _apply(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.applies.append(body)
+        self.status_at_apply.append(self.status)
         request_id = str(uuid.uuid4())
         if self.status != "unhealthy" or self.apply_fails:
             self.ft_error = f"Rejecting {body.get('instruction')}: status is {self.status.upper()}"
