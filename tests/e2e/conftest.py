@@ -87,7 +87,8 @@ class RigPool:
             self.current = None
 
 
-@pytest.fixture(scope="session")
+# Package scope: the ranks are gone before the fast tests run.
+@pytest.fixture(scope="package")
 def rig_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RigPool]:
     if importlib.util.find_spec("vllm") is None:
         if os.environ.get("CI"):
