@@ -39,6 +39,7 @@ class RigConfig:
     resume_after_recovery: bool = False
     recovery_timeout_s: int = 120
     extra_env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)  # more vllm serve flags
 
     def url(self, rank: int) -> str:
         return f"http://{self.host}:{self.base_port + rank}"
@@ -60,7 +61,7 @@ def rank_command(cfg: RigConfig, rank: int) -> list[str]:
         # Bounds the gloo collectives, so a faulted rank's peers notice in ~5 s.
         "--cpu-distributed-timeout-seconds", "5",
         "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
-        "--max-num-seqs", "16", "--disable-log-stats",
+        "--max-num-seqs", "16", "--disable-log-stats", *cfg.extra_args,
     ]  # fmt: skip
 
 
