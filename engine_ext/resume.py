@@ -65,9 +65,14 @@ def evict_contaminated(scheduler: Any) -> int:
     return evicted
 
 
+# Requests preempted by a fault and not yet re-scheduled (engine-core process).
+_resuming: set[str] = set()
+
+
 def preempt_running(scheduler: Any) -> int:
     """Move every running request back to waiting, keeping its outputs."""
     running = list(scheduler.running)
+    _resuming.update(r.request_id for r in running)
     scheduler.running.clear()
     now = time.monotonic()
     for request in reversed(running):  # prepend in reverse: order is kept
@@ -130,6 +135,27 @@ def _clean_keeping_requests(original: Any) -> Any:
     return clean
 
 
+def _report_reprefill(original: Any) -> Any:
+    """Log how much of a resumed request's re-prefill the prefix cache served.
+
+    vLLM counts preempted requests' cache hits apart and does not export
+    them, so this is where "recomputed only the dirty tail" shows.
+    """
+
+    def get_computed_blocks(self: Any, request: Any) -> Any:
+        result = original(self, request)
+        if request.request_id in _resuming:
+            _resuming.discard(request.request_id)
+            total, cached = request.num_tokens, result[1]
+            log.info(
+                "[ftproxy] resumed %s: %d of %d tokens from the prefix cache, %d recomputed",
+                request.request_id, cached, total, total - cached,
+            )  # fmt: skip
+        return result
+
+    return get_computed_blocks
+
+
 _INSTALLED = False
 
 
@@ -141,8 +167,10 @@ def install(resume: bool) -> None:
 
     EngineCoreSentinel.on_fault = _on_fault(EngineCoreSentinel.on_fault, resume)
     if resume:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.worker.sentinel.gpu_worker_sentinel import WorkerSentinel
 
+        KVCacheManager.get_computed_blocks = _report_reprefill(KVCacheManager.get_computed_blocks)
         WorkerSentinel._clean_worker_state = _clean_keeping_requests(
             WorkerSentinel._clean_worker_state
         )

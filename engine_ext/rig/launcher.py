@@ -40,6 +40,7 @@ class RigConfig:
     recovery_timeout_s: int = 120
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)  # more vllm serve flags
+    log_stats: bool = False  # vLLM's stats (and /metrics counters) cost CPU
 
     def url(self, rank: int) -> str:
         return f"http://{self.host}:{self.base_port + rank}"
@@ -61,7 +62,8 @@ def rank_command(cfg: RigConfig, rank: int) -> list[str]:
         # Bounds the gloo collectives, so a faulted rank's peers notice in ~5 s.
         "--cpu-distributed-timeout-seconds", "5",
         "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
-        "--max-num-seqs", "16", "--disable-log-stats", *cfg.extra_args,
+        "--max-num-seqs", "16", *([] if cfg.log_stats else ["--disable-log-stats"]),
+        *cfg.extra_args,
     ]  # fmt: skip
 
 
