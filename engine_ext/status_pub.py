@@ -3,16 +3,15 @@
 Runs in the API-server process. vLLM's async engine client keeps the engine
 statuses in a dict (``AsyncMPClient._engine_status``) that the engine core
 updates by pushing; we swap that dict for one that also publishes on every
-write. A daemon thread owns the socket (ZMQ sockets are not thread-safe), takes
-changes from a queue and sends a heartbeat whenever the queue stays quiet.
-One publisher per API-server process: run one API server per rank.
+write, plus a heartbeat. One publisher per API-server process: run one API
+server per rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -24,39 +23,44 @@ log = logging.getLogger("vllm.ftproxy.status_pub")
 
 
 class Publisher:
+    """Sends each status change at once, from the thread that makes it, so a
+    push leaves before any poll can read the new status; a daemon thread adds
+    the heartbeats. A lock serializes the two on the one socket (ZMQ sockets
+    are not thread-safe; a mutex gives the memory barrier they need)."""
+
     def __init__(self, address: str) -> None:
-        self.address = address
-        self.boot_id = uuid.uuid4().hex
-        self._changes: queue.Queue[list[dict[str, Any]]] = queue.Queue()
-        self._engines: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, name="ftproxy-status-pub", daemon=True).start()
-
-    def update(self, engines: list[dict[str, Any]]) -> None:
-        snapshot = copy.deepcopy(engines)
-        with self._lock:
-            self._engines = snapshot
-        self._changes.put(snapshot)
-
-    def _current(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return self._engines
-
-    def _run(self) -> None:
         import zmq
 
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.address)
-        log.info("ftproxy status publisher bound at %s", self.address)
-        seq = 0
+        self.address = address
+        self.boot_id = uuid.uuid4().hex
+        self._engines: list[dict[str, Any]] = []
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        log.info("ftproxy status publisher bound at %s", address)
+        threading.Thread(target=self._heartbeats, name="ftproxy-status-pub", daemon=True).start()
+
+    def update(self, engines: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._engines = copy.deepcopy(engines)
+            self._send("status")
+
+    def _heartbeats(self) -> None:
         while True:
-            try:
-                engines, kind = self._changes.get(timeout=protocol.HEARTBEAT_INTERVAL_S), "status"
-            except queue.Empty:
-                engines, kind = self._current(), "heartbeat"
-            seq += 1
-            sock.send_multipart(protocol.encode(kind, self.boot_id, seq, time.time(), engines))
+            time.sleep(protocol.HEARTBEAT_INTERVAL_S)
+            with self._lock:
+                self._send("heartbeat")
+
+    def _send(self, kind: str) -> None:
+        import zmq
+
+        self._seq += 1
+        frames = protocol.encode(kind, self.boot_id, self._seq, time.time(), self._engines)
+        # PUB drops rather than blocks; the next heartbeat repeats the state.
+        with contextlib.suppress(zmq.Again):
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
 
 
 class PublishingStatus(dict[int, dict[str, Any]]):
