@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -24,6 +25,28 @@ from proxy.ranks import HEALTHY, UNHEALTHY, UNKNOWN, Rank, RankTable
 from proxy.settings import Timeouts
 
 log = logging.getLogger("ftproxy.feed")
+
+K = TypeVar("K")
+
+
+async def follow(
+    wanted: Callable[[], set[K]], start: Callable[[K], Coroutine[Any, Any, None]], every_s: float
+) -> None:
+    """Keep one task per wanted key, re-checked every ``every_s`` (config
+    reloads add and remove ranks); cancel them all when cancelled."""
+    tasks: dict[K, asyncio.Task[None]] = {}
+    try:
+        while True:
+            keys = wanted()
+            for key in keys - tasks.keys():
+                tasks[key] = asyncio.create_task(start(key))
+            for key in tasks.keys() - keys:
+                tasks.pop(key).cancel()
+            await asyncio.sleep(every_s)
+    finally:
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
 def summarize(body: Any) -> tuple[str, dict[str, Any]]:
@@ -52,19 +75,7 @@ class Poller:
         self._no_ft: set[str] = set()  # ranks whose FT endpoint answered 404
 
     async def run(self) -> None:
-        tasks: dict[str, asyncio.Task[None]] = {}
-        try:
-            while True:
-                for rank in list(self.table):
-                    if rank.name not in tasks:
-                        tasks[rank.name] = asyncio.create_task(self._poll_forever(rank.name))
-                for gone in set(tasks) - set(self.table.ranks):
-                    tasks.pop(gone).cancel()
-                await asyncio.sleep(self.t.poll_interval_s)
-        finally:
-            for task in tasks.values():
-                task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await follow(lambda: set(self.table.ranks), self._poll_forever, self.t.poll_interval_s)
 
     async def _poll_forever(self, name: str) -> None:
         while (rank := self.table.ranks.get(name)) is not None:
@@ -102,19 +113,10 @@ class PushFeed:
         self.table, self.t, self.metrics = table, t, metrics
 
     async def run(self) -> None:
-        tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
-        try:
-            while True:  # follow config reloads: feeds come and go
-                wanted = {(r.name, r.status_feed) for r in self.table if r.status_feed}
-                for key in wanted - set(tasks):
-                    tasks[key] = asyncio.create_task(self._subscribe(*key))
-                for key in set(tasks) - wanted:
-                    tasks.pop(key).cancel()
-                await asyncio.sleep(1.0)
-        finally:
-            for task in tasks.values():
-                task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
+        def feeds() -> set[tuple[str, str]]:
+            return {(r.name, r.status_feed) for r in self.table if r.status_feed}
+
+        await follow(feeds, lambda key: self._subscribe(*key), 1.0)
 
     async def _subscribe(self, name: str, address: str) -> None:
         import zmq
