@@ -150,18 +150,17 @@ class Book:
         if prompt and self.prompt_ids is None:
             self.prompt_ids = list(prompt)
         choice = choices[0]
-        self._count(choice.get("token_ids") or [], _text_of(choice, self.kind))
+        self._count(choice.get("token_ids") or [], text_of(choice, self.kind))
         if self.kind == CHAT and "role" in (choice.get("delta") or {}):
             if self.role_sent:  # restart: the client already has the role
                 choice["delta"].pop("role")
             self.role_sent = True
         if choice.get("finish_reason") == "abort":
-            self.pending += _text_of(choice, self.kind)  # flushed stop-buffer text
+            self.pending += text_of(choice, self.kind)  # flushed stop-buffer text
             return Emit(aborted=True)
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
-        self._hide_ids(chunk)
-        return Emit([_dumps(chunk)], finished=self.finish_reason is not None)
+        return Emit([self._shown(_dumps(chunk))], finished=self.finish_reason is not None)
 
     def _count(self, ids: list[int], text: str) -> None:
         self.generated.extend(ids)
@@ -174,19 +173,11 @@ class Book:
         if self.spliced or not self.wants_usage or self.usage_sent:
             return Emit()
         self.usage_sent = True
-        self._hide_ids(chunk)
-        return Emit([_dumps(chunk)])
+        return Emit([self._shown(_dumps(chunk))])
 
-    def _hide_ids(self, chunk: dict[str, Any]) -> None:
-        if self.wants_ids:
-            return
-        if "prompt_token_ids" in chunk:
-            chunk["prompt_token_ids"] = None
-        for c in chunk.get("choices") or []:
-            if "token_ids" in c:
-                c["token_ids"] = None
-            if "prompt_token_ids" in c:
-                c["prompt_token_ids"] = None
+    def _shown(self, data: bytes) -> bytes:
+        """The chunk as the client asked for it: token ids only if requested."""
+        return data if self.wants_ids else hide_ids(data)
 
     def take_partial(self, answer: dict[str, Any]) -> None:
         """Start from a whole (non-streamed) answer that the engine aborted."""
@@ -310,7 +301,8 @@ class Book:
         return out
 
 
-def _text_of(choice: dict[str, Any], kind: str) -> str:
+def text_of(choice: dict[str, Any], kind: str) -> str:
+    """A streamed choice's text, completion or chat."""
     if kind == CHAT:
         return str((choice.get("delta") or {}).get("content") or "")
     return str(choice.get("text") or "")

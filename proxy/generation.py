@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy.continuation import ABORT, CHAT, COMPLETION, Book, hide_ids, refusal
+from proxy.continuation import ABORT, CHAT, COMPLETION, Book, hide_ids, refusal, text_of
 from proxy.errors import error_body
 from proxy.holdopen import Collector, HeldStream
 from proxy.relay import Attempt, Outbound, Relay
@@ -96,8 +96,7 @@ def _assemble(book: Book, events: list[bytes]) -> web.Response:
         if "error" in chunk:
             return web.json_response(chunk, status=503)
         for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text.append(str(choice.get("text") or delta.get("content") or ""))
+            text.append(text_of(choice, book.kind))
             finish = choice.get("finish_reason") or finish
             stop_reason = choice.get("stop_reason") or stop_reason
     if finish is None:
