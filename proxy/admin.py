@@ -124,6 +124,10 @@ async def scale_down(request: web.Request) -> web.Response:
     return _report_response(report)
 
 
+async def rounds(request: web.Request) -> web.Response:
+    return web.json_response({"rounds": request.app[RECOVERY].rounds()})
+
+
 async def reload(request: web.Request) -> web.Response:
     return web.json_response(reload_config(request.app))
 
@@ -145,6 +149,7 @@ def reload_config(app: web.Application) -> dict[str, Any]:
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/admin/ranks", ranks)
     app.router.add_patch("/admin/ranks/{name}", patch_rank)
+    app.router.add_get("/admin/rounds", rounds)
     app.router.add_post("/admin/retry", retry)
     app.router.add_post("/admin/scale_down", scale_down)
     app.router.add_post("/admin/reload", reload)

@@ -9,12 +9,14 @@ they occur into one of these, so handlers deal with a small, known set::
     ├── Unauthorized            401 missing or wrong API key / admin token
     ├── NotFound                404
     ├── NoHealthyRank           503 nothing routable within the queue timeout
+    ├── RoundInProgress         409 another recovery round runs for the group
     └── UpstreamFailed          502 every attempt failed before the first byte
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from aiohttp import web
 
@@ -23,6 +25,8 @@ class ProxyError(Exception):
     status = 500
     type = "server_error"
     code = "internal_error"
+    # Extra fields of the error object, beside message/type/param/code.
+    extra: dict[str, Any] = {}  # noqa: RUF012 - read-only default
 
     def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -57,12 +61,26 @@ class UpstreamFailed(ProxyError):
     status, type, code = 502, "server_error", "upstream_failed"
 
 
+class RoundInProgress(ProxyError):
+    """A different round (instruction or parameters) already runs for the group."""
+
+    status, type, code = 409, "invalid_request_error", "round_in_progress"
+
+    def __init__(self, message: str, round_id: str, instruction: str) -> None:
+        super().__init__(message)
+        self.extra = {"round_id": round_id, "instruction": instruction}
+
+
 def error_body(message: str, type_: str, code: str) -> dict[str, dict[str, str]]:
     return {"error": {"message": message, "type": type_, "code": code}}
 
 
 def error_response(err: ProxyError) -> web.Response:
-    body = json.dumps(error_body(err.message, err.type, err.code))
+    fields: dict[str, Any] = {**error_body(err.message, err.type, err.code)["error"], **err.extra}
+    body = {"error": fields}
     return web.Response(
-        status=err.status, text=body, content_type="application/json", headers=err.headers
+        status=err.status,
+        text=json.dumps(body),
+        content_type="application/json",
+        headers=err.headers,
     )

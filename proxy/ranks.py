@@ -4,7 +4,8 @@ Writers: the status poller, the push feed, the data plane's passive signals
 (connection refused) and, later, the admin plane. Readers: the balancer, the
 relay, ``/health``, ``/metrics``. Status updates carry the wall-clock time of
 the observation and the newest observation wins, so a slow poll answer never
-overwrites a fresher push. Waiters are woken on every change.
+overwrites a fresher push. Waiters are woken on every change,
+including a change of the rank's status entry alone.
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ class RankTable:
         rank = self.ranks.get(name)
         if rank is None or observed_at < rank.observed_at:
             return False
-        before = (rank.status, rank.reachable)
+        # The whole entry counts: an ``ft_error`` (and its
+        # ``last_ft_request_id``) arrives while the status stays unhealthy,
+        # and a recovery round waiting on it must hear of it at once.
+        before = (rank.status, rank.reachable, rank.detail)
         rank.observed_at = observed_at
         rank.last_heard = max(rank.last_heard, observed_at) if reachable else rank.last_heard
         rank.reachable, rank.reason, rank.source = reachable, reason, source
@@ -129,7 +133,7 @@ class RankTable:
             rank.detail = detail or {}
             fault = rank.detail.get("fault_info")
             rank.fault_info = str(fault) if fault is not None else None
-        if (rank.status, rank.reachable) != before:
+        if (rank.status, rank.reachable, rank.detail) != before:
             self.notify()
         return True
 

@@ -12,7 +12,10 @@ A round for a group:
    this round, turns dead, or the deadline passes; then report per rank.
 
 One round per group at a time: a caller arriving while a round runs joins it
-and gets the same report. :class:`AutoRecovery` starts rounds on its own once
+and gets the same report, but only when it asks for the same thing (same
+instruction, parameters and target ranks); otherwise it gets
+:class:`RoundInProgress` naming the active round. A ``scale_down`` must never
+silently ride on a ``retry``. :class:`AutoRecovery` starts rounds on its own once
 a whole group has been unhealthy for a grace period.
 """
 
@@ -27,14 +30,15 @@ from typing import Any
 
 import aiohttp
 
+from proxy.errors import RoundInProgress
 from proxy.metrics import Metrics
 from proxy.ranks import DEAD, HEALTHY, UNHEALTHY, Rank, RankTable
 from proxy.settings import Settings
 
 log = logging.getLogger("ftproxy.recovery")
 
-RECOVERED, FAILED, NOT_UNHEALTHY, RESTART_NEEDED = (
-    "recovered", "failed", "not_unhealthy", "restart_needed",
+RECOVERED, FAILED, NOT_UNHEALTHY, RESTART_NEEDED, RUNNING = (
+    "recovered", "failed", "not_unhealthy", "restart_needed", "running",
 )  # fmt: skip
 
 
@@ -56,7 +60,7 @@ class RoundReport:
     group: str
     round_id: str
     instruction: str
-    outcome: str = FAILED
+    outcome: str = RUNNING  # every path through a round sets the final one
     message: str = ""
     waited_s: float = 0.0
     took_s: float = 0.0
@@ -75,29 +79,72 @@ class RoundSpec:
     wait_unhealthy_s: float = 30.0
     recover_s: float = 120.0
 
+    def same_work(self, other: RoundSpec) -> bool:
+        """Whether a caller asking for ``other`` may join a round for this spec."""
+        mine = None if self.targets is None else sorted(self.targets)
+        theirs = None if other.targets is None else sorted(other.targets)
+        return (self.group, self.instruction, self.params, mine) == (
+            other.group, other.instruction, other.params, theirs)  # fmt: skip
+
+
+@dataclass
+class ActiveRound:
+    spec: RoundSpec
+    report: RoundReport  # filled in as the round goes; final once task is done
+    trigger: str
+    task: asyncio.Task[RoundReport]
+
 
 class Recovery:
     def __init__(
         self, table: RankTable, session: aiohttp.ClientSession, settings: Settings, metrics: Metrics
     ) -> None:
         self.table, self.session, self.settings, self.metrics = table, session, settings, metrics
-        self._rounds: dict[str, asyncio.Task[RoundReport]] = {}
+        self._rounds: dict[str, ActiveRound] = {}
+
+    def active(self, group: str) -> ActiveRound | None:
+        """The round running for the group now, if any."""
+        current = self._rounds.get(group)
+        return current if current is not None and not current.task.done() else None
+
+    def rounds(self) -> list[dict[str, Any]]:
+        """The latest round of every group that had one, running or ended."""
+        return [
+            {"group": g, "active": not r.task.done(), "trigger": r.trigger,
+             "params": r.spec.params, "targets": r.spec.targets, "report": r.report.as_dict()}
+            for g, r in sorted(self._rounds.items())
+        ]  # fmt: skip
 
     def running(self, group: str) -> bool:
-        task = self._rounds.get(group)
-        return task is not None and not task.done()
+        return self.active(group) is not None
 
     async def run(self, spec: RoundSpec, trigger: str = "admin") -> RoundReport:
-        """Start a round for the group, or join the one already running."""
-        task = self._rounds.get(spec.group)
-        if task is None or task.done():
-            task = asyncio.create_task(self._round(spec, trigger), name=f"round-{spec.group}")
-            self._rounds[spec.group] = task
-        return await asyncio.shield(task)
+        """Start a round for the group, or join the one running for the same work.
 
-    async def _round(self, spec: RoundSpec, trigger: str) -> RoundReport:
+        Raises :class:`RoundInProgress` when the running round is for other work.
+        """
+        current = self.active(spec.group)
+        if current is None:
+            report = RoundReport(spec.group, uuid.uuid4().hex, spec.instruction)
+            task = asyncio.create_task(self._round(spec, report, trigger),
+                                       name=f"round-{spec.group}")  # fmt: skip
+            current = ActiveRound(spec, report, trigger, task)
+            self._rounds[spec.group] = current
+        elif not current.spec.same_work(spec):
+            raise RoundInProgress(
+                f"round {current.report.round_id} ({current.spec.instruction}) is in progress "
+                f"for group {spec.group}; wait for it to end, then ask again",
+                current.report.round_id, current.spec.instruction,
+            )  # fmt: skip
+        return await asyncio.shield(current.task)
+
+    async def wait_idle(self, group: str) -> None:
+        """Return once no round runs for the group (whatever its outcome)."""
+        while (current := self.active(group)) is not None:
+            await asyncio.wait([current.task])
+
+    async def _round(self, spec: RoundSpec, report: RoundReport, trigger: str) -> RoundReport:
         ranks = self._targets(spec)
-        report = RoundReport(spec.group, uuid.uuid4().hex, spec.instruction)
         report.ranks = [RankReport(r.name, r.status) for r in ranks]
         started = time.monotonic()
         log.info("round %s (%s, %s) for group %s: waiting for %s to be unhealthy",
@@ -225,7 +272,15 @@ class AutoRecovery:
             attempts += 1
             self._decide(name, "retry", f"attempt {attempts}/{cfg.max_attempts} after {delay:g}s")
             spec = RoundSpec(group=name, wait_unhealthy_s=1.0, recover_s=cfg.recover_s)
-            report = await self.recovery.run(spec, trigger="auto")
+            try:
+                report = await self.recovery.run(spec, trigger="auto")
+            except RoundInProgress as busy:
+                # An operator's round for other work (a scale_down) owns the
+                # group; it is not an attempt of ours. Look again after it.
+                attempts -= 1
+                self._decide(name, "skipped", busy.message)
+                await self.recovery.wait_idle(name)
+                continue
             if report.outcome == RECOVERED:
                 attempts = 0
 

@@ -273,3 +273,46 @@ async def test_cli_retry_runs_a_round_and_prints_the_report(fakes, proxy, tmp_pa
     out, _ = await cli.communicate()
     assert cli.returncode == 0, out
     assert b"recovered" in out and len(a.applies) == 1
+
+
+async def test_a_rejected_round_is_reported_at_once(fakes, proxy, http) -> None:
+    # Both ranks reject: their status stays unhealthy, only the entry's
+    # ft_error changes. The round must end on that, not at recover_s.
+    a, b = await fakes(name="a", apply_fails=True), await fakes(name="b", apply_fails=True)
+    p = await proxy(admin_settings([a, b]))
+    a.fault()
+    b.fault()
+    body = {"group": "dp-a", "recover_s": 5}
+    code, report = await call(http, "POST", p.url + "/admin/retry", body)
+    assert code == 502 and report["outcome"] == "failed", report
+    assert report["took_s"] < 2, report
+    assert {r["ft_error"] for r in report["ranks"]} == {"retry failed: gloo timeout"}
+
+
+async def test_other_work_during_a_round_gets_409_and_is_not_done(fakes, proxy, http) -> None:
+    r0, r1, r2 = [await fakes(name=f"r{i}") for i in range(3)]
+    p = await proxy(admin_settings([r0, r1, r2]))
+    r0.fault()
+    retry_call = asyncio.create_task(
+        call(http, "POST", p.url + "/admin/retry", {"group": "dp-a", "wait_unhealthy_s": 3})
+    )
+    await asyncio.sleep(0.2)  # the retry round waits for r1, r2 to turn unhealthy
+    body = {"group": "dp-a", "removed": ["r2"], "wait_unhealthy_s": 3}
+    code, answer = await call(http, "POST", p.url + "/admin/scale_down", body)
+    assert code == 409, answer
+    err = answer["error"]
+    assert err["code"] == "round_in_progress" and err["instruction"] == "retry"
+    code, rounds = await call(http, "GET", p.url + "/admin/rounds")
+    assert code == 200 and [r["active"] for r in rounds["rounds"]] == [True]
+    active_id = rounds["rounds"][0]["report"]["round_id"]
+    assert err["round_id"] == active_id
+    # The same work joins the running round.
+    join = asyncio.create_task(
+        call(http, "POST", p.url + "/admin/retry", {"group": "dp-a", "recover_s": 9})
+    )
+    r1.fault()
+    r2.fault()
+    (code, report), (code2, joined) = await asyncio.gather(retry_call, join)
+    assert code == code2 == 200 and report == joined and report["round_id"] == active_id
+    assert [a["instruction"] for r in (r0, r1, r2) for a in r.applies] == ["retry"] * 3
+    assert p.app[TABLE].ranks["r2"].weight == 1  # the refused scale_down changed nothing
