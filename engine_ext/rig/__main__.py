@@ -18,6 +18,10 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=8400)
     parser.add_argument("--model-dir", type=Path, default=Path(".rig/tiny-moe"))
     parser.add_argument("--fault-inject", help="e.g. 'rank=1;steps=300,900'")
+    parser.add_argument(
+        "--collective-timeout", type=int, default=10,
+        help="seconds a faulted rank's peers wait in a collective before turning unhealthy",
+    )  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = RigConfig(
@@ -25,6 +29,7 @@ def main() -> None:
         base_port=args.base_port,
         model_dir=args.model_dir,
         fault_inject=args.fault_inject,
+        collective_timeout_s=args.collective_timeout,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -50,7 +50,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print("starting 2 vLLM CPU ranks (about a minute; logs in .rig/logs) ...", flush=True)
-    cfg = RigConfig(ranks=2, fault_inject=args.fault_inject)
+    # 5 s: on a quiet machine the peer of a faulted rank notices quickly.
+    cfg = RigConfig(ranks=2, fault_inject=args.fault_inject, collective_timeout_s=5)
     with Rig(cfg), contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve())
     sys.exit(0)

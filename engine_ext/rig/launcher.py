@@ -9,6 +9,7 @@ left running. The ranks share a DP address and RPC port; ports differ.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_ext.rig.model import generate
+from engine_ext.rig.model import DTYPE, generate
 
 log = logging.getLogger("ftproxy.rig")
 
@@ -41,6 +42,12 @@ class RigConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)  # more vllm serve flags
     log_stats: bool = False  # vLLM's stats (and /metrics counters) cost CPU
+    # Bound on the gloo collectives: how long a faulted rank's peers wait
+    # before they turn unhealthy. Short makes the demo snappy; on a loaded
+    # machine a healthy step can take seconds, and too short a bound reports
+    # a fault that did not happen (tests and the soak use 10 s).
+    collective_timeout_s: int = 10
+    warm_up: bool = True  # one tiny request per rank once ready
 
     def url(self, rank: int) -> str:
         return f"http://{self.host}:{self.base_port + rank}"
@@ -59,9 +66,8 @@ def rank_command(cfg: RigConfig, rank: int) -> list[str]:
         "--data-parallel-address", cfg.host, "--data-parallel-rpc-port", str(cfg.rpc_port),
         "--all2all-backend", "nixl_ep",  # FT checks the name only
         "--enable-fault-tolerance", "--fault-tolerance-config", ft_config,
-        # Bounds the gloo collectives, so a faulted rank's peers notice in ~5 s.
-        "--cpu-distributed-timeout-seconds", "5",
-        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
+        "--cpu-distributed-timeout-seconds", str(cfg.collective_timeout_s),
+        "--dtype", DTYPE, "--enforce-eager", "--max-model-len", "512",
         "--max-num-seqs", "16", *([] if cfg.log_stats else ["--disable-log-stats"]),
         *cfg.extra_args,
     ]  # fmt: skip
@@ -96,6 +102,8 @@ class Rig:
         self.start()
         try:
             self.wait_ready()
+            if self.cfg.warm_up:
+                self.warm_up()
         except BaseException:
             self.stop()
             raise
@@ -128,6 +136,21 @@ class Rig:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ranks {sorted(pending)} not ready in {timeout_s:.0f}s")
             time.sleep(1.0)
+
+    def warm_up(self) -> None:
+        """One short greedy request per rank, so the first measured request
+        does not pay for lazy initialisation (and its slow first step does not
+        count against the collective timeout of a test's first fault)."""
+        body = json.dumps(
+            {"model": SERVED_MODEL, "prompt": "warm up", "max_tokens": 4, "temperature": 0}
+        ).encode()
+        for rank in range(self.cfg.ranks):
+            req = urllib.request.Request(
+                self.cfg.url(rank) + "/v1/completions", data=body,
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                resp.read()
 
     def _check_alive(self, rank: int) -> None:
         code = self.procs[rank].poll()

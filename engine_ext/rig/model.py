@@ -17,6 +17,14 @@ from typing import Any
 
 SEED = 0
 VOCAB_SIZE = 320
+# float32, not bfloat16: vLLM is not batch-invariant, and in bfloat16 the tiny
+# model's near-tied logits flip when the batch changes (~1e-2 differences), so
+# a fault-free reference run would differ from itself under load. In float32
+# the differences are ~1e-7 and greedy answers repeat token for token.
+DTYPE = "float32"
+# Written into the completion marker: a folder made with other weights or
+# another dtype is regenerated instead of silently reused.
+VERSION = f"seed={SEED};dtype={DTYPE};vocab={VOCAB_SIZE}"
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
@@ -50,7 +58,7 @@ MODEL_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 1024,
     "initializer_range": 0.2,
     "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
+    "torch_dtype": DTYPE,
 }
 
 
@@ -91,19 +99,19 @@ def _write_weights(out: Path, eos_id: int) -> None:
     cfg.pop("model_type")
     config = Qwen3MoeConfig(**cfg)
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, DTYPE))
     model.save_pretrained(str(out))
 
 
 def generate(out: Path) -> Path:
     """Write config, tokenizer and weights into ``out``; skip if complete."""
     marker = out / ".complete"
-    if marker.exists():
+    if marker.exists() and marker.read_text().strip() == VERSION:
         return out
     out.mkdir(parents=True, exist_ok=True)
     eos_id = _train_tokenizer(out)
     _write_weights(out, eos_id)
-    marker.write_text("ok\n")
+    marker.write_text(VERSION + "\n")
     return out
 
 
