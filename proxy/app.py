@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy import admin, generation, models
-from proxy.errors import NotFound, ProxyError, error_response
+from proxy.errors import MethodNotAllowed, NotFound, ProxyError, error_response
 from proxy.feed import Poller, PushFeed
 from proxy.inbound import check_api_key, read_body, read_json
 from proxy.metrics import Metrics
@@ -31,6 +31,7 @@ from proxy.state import (
     SETTINGS,
     TABLE,
 )  # fmt: skip
+from proxy.target import parse_forward, target_guard
 from proxy.upstream import make_session, request_headers
 
 log = logging.getLogger("ftproxy.app")
@@ -52,13 +53,17 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         resp = error_response(err)
     except web.HTTPNotFound:
         resp = error_response(NotFound(f"no route for {request.method} {request.path}"))
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        message = f"{request.method} is not allowed here; allowed: {allowed}"
+        resp = error_response(MethodNotAllowed(message, {"Allow": allowed}))
     if not resp.prepared:
         resp.headers["X-Request-Id"] = request_id
     return resp
 
 
 async def proxy_v1(request: web.Request) -> web.StreamResponse:
-    """Every ``/v1/*`` call except the model list: to one healthy rank."""
+    """An allow-listed serving endpoint (``routing.forward``): to one healthy rank."""
     settings = request.app[SETTINGS]
     check_api_key(request, settings.api_keys)
     max_bytes = settings.limits.max_body_bytes
@@ -69,8 +74,12 @@ async def proxy_v1(request: web.Request) -> web.StreamResponse:
         body = await read_body(request, max_bytes)
     request_id = request[REQUEST_ID]
     headers = request_headers(request.headers, request_id, strip_auth=bool(settings.api_keys))
-    out = Outbound(request.method, request.path_qs, headers, body, request_id)
-    kind = generation.KINDS.get(request.path)
+    # The route's own path (from the config), not the client's spelling of it.
+    resource = request.match_info.route.resource
+    assert resource is not None  # registered on plain resources only
+    path = resource.canonical
+    out = Outbound(request.method, path, headers, body, request_id)
+    kind = generation.KINDS.get(path)
     if kind is not None and request.method == "POST":
         return await generation.forward(request.app[RELAY], request, out, kind, parsed)
     return await request.app[RELAY].forward(request, out)
@@ -132,7 +141,7 @@ async def _auto_recovery(app: web.Application) -> None:
 
 def build_app(settings: Settings, config_path: Path | None = None) -> web.Application:
     app = web.Application(
-        middlewares=[errors_middleware, admin.admin_auth],
+        middlewares=[errors_middleware, target_guard, admin.admin_auth],
         client_max_size=settings.limits.max_body_bytes,
     )
     app[SETTINGS] = settings
@@ -148,5 +157,7 @@ def build_app(settings: Settings, config_path: Path | None = None) -> web.Applic
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
-    app.router.add_route("*", "/v1/{tail:.*}", proxy_v1)
+    for entry in settings.routing.forward:
+        method, path = parse_forward(entry)
+        app.router.add_route(method, path, proxy_v1)
     return app

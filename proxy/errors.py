@@ -8,6 +8,7 @@ they occur into one of these, so handlers deal with a small, known set::
     ├── PayloadTooLarge         413 body over limits.max_body_bytes
     ├── Unauthorized            401 missing or wrong API key / admin token
     ├── NotFound                404
+    ├── MethodNotAllowed        405
     ├── NoHealthyRank           503 nothing routable within the queue timeout
     ├── RoundInProgress         409 another recovery round runs for the group
     └── UpstreamFailed          502 every attempt failed before the first byte
@@ -28,10 +29,13 @@ class ProxyError(Exception):
     # Extra fields of the error object, beside message/type/param/code.
     extra: dict[str, Any] = {}  # noqa: RUF012 - read-only default
 
-    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, headers: dict[str, str] | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+        self.param = param  # the request field at fault, as OpenAI names it
 
 
 class BadRequest(ProxyError):
@@ -48,6 +52,10 @@ class Unauthorized(ProxyError):
 
 class NotFound(ProxyError):
     status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class MethodNotAllowed(ProxyError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
 class NoHealthyRank(ProxyError):
@@ -71,12 +79,17 @@ class RoundInProgress(ProxyError):
         self.extra = {"round_id": round_id, "instruction": instruction}
 
 
-def error_body(message: str, type_: str, code: str) -> dict[str, dict[str, str]]:
-    return {"error": {"message": message, "type": type_, "code": code}}
+def error_body(
+    message: str, type_: str, code: str, param: str | None = None
+) -> dict[str, dict[str, str | None]]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def error_response(err: ProxyError) -> web.Response:
-    fields: dict[str, Any] = {**error_body(err.message, err.type, err.code)["error"], **err.extra}
+    fields: dict[str, Any] = {
+        **error_body(err.message, err.type, err.code, err.param)["error"],
+        **err.extra,
+    }
     body = {"error": fields}
     return web.Response(
         status=err.status,

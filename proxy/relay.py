@@ -24,6 +24,7 @@ from proxy.errors import NoHealthyRank, UpstreamFailed
 from proxy.metrics import Metrics
 from proxy.ranks import Rank, RankTable
 from proxy.settings import Settings
+from proxy.target import upstream_url
 from proxy.upstream import response_headers
 
 log = logging.getLogger("ftproxy.relay")
@@ -37,7 +38,7 @@ class Outbound:
     """A client request as it will be sent upstream."""
 
     method: str
-    path_qs: str
+    path: str  # an allow-listed upstream path (proxy.target), never the client's bytes
     headers: CIMultiDict[str]
     body: bytes
     request_id: str
@@ -107,7 +108,7 @@ class Relay:
         started = time.monotonic()
         try:
             resp = await self.session.request(
-                out.method, rank.url + out.path_qs, headers=out.headers, data=out.body
+                out.method, upstream_url(rank.url, out.path), headers=out.headers, data=out.body
             )
         except _CONNECT_ERRORS as e:
             failures.append(f"{rank.name}: {type(e).__name__}")

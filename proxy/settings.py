@@ -13,6 +13,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from yarl import URL
+
+from proxy.target import DEFAULT_FORWARD, parse_forward
 
 
 class ConfigError(Exception):
@@ -39,6 +42,12 @@ class RankConfig(BaseModel):
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        try:
+            url = URL(v)
+        except ValueError as e:
+            raise ValueError(f"not a URL: {e}") from None
+        if not url.host or url.query_string or url.fragment or url.user or url.password:
+            raise ValueError("must be scheme://host[:port][/path], no query, fragment or user")
         return v.rstrip("/")
 
 
@@ -87,6 +96,22 @@ class Limits(BaseModel):
     upstream_retries: int = Field(2, ge=0)
 
 
+class Routing(BaseModel):
+    """Which rank endpoints clients may call through the proxy (see proxy.target)."""
+
+    # "METHOD /path"; anything else is 404. Rank control, health and metrics
+    # paths are refused here, whatever the config says.
+    forward: list[str] = Field(default_factory=lambda: list(DEFAULT_FORWARD))
+
+    @field_validator("forward")
+    @classmethod
+    def _safe(cls, v: list[str]) -> list[str]:
+        entries = [" ".join(parse_forward(e)) for e in v]
+        if len(set(entries)) != len(entries):
+            raise ValueError("repeated entry")
+        return entries
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="FTPROXY_", env_nested_delimiter="__", extra="forbid"
@@ -98,6 +123,7 @@ class Settings(BaseSettings):
     limits: Limits = Limits()
     hold: Hold = Hold()
     admin: Admin = Admin()
+    routing: Routing = Routing()
     # Optional data-plane API keys (Authorization: Bearer <key>).
     api_keys: list[SecretStr] = []
     log_level: str = "INFO"

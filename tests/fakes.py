@@ -80,6 +80,13 @@ class FakeRank:
     recovered: asyncio.Event = field(default_factory=asyncio.Event)  # set by recover()
     ft_error: str | None = None
     streamed: int = 0
+    # Every request that reached this rank: (method, raw target, X-Request-Id or None).
+    # The proxy's own polls carry no request id; forwarded client requests do.
+    log: list[tuple[str, str, str | None]] = field(default_factory=list)
+
+    def forwarded(self) -> list[tuple[str, str]]:
+        """(method, target) of every client request the proxy passed on."""
+        return [(m, t) for m, t, rid in self.log if rid is not None]
 
     # -- control -----------------------------------------------------------
     def fault(self, status: str = "unhealthy") -> None:
@@ -97,13 +104,17 @@ class FakeRank:
     async def start(self, port: int = 0) -> FakeRank:
         if self.status == "healthy":
             self._healthy.set()
-        app = web.Application()
+        app = web.Application(middlewares=[self._record])
         app.router.add_get("/fault_tolerance/status", self._status)
         app.router.add_post("/fault_tolerance/apply", self._apply)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        for path in ("/v1/embeddings", "/v1/score", "/v1/rerank", "/tokenize", "/detokenize"):
+            app.router.add_post(path, self._echo)
+        # Any other path answers 200 as a permissive server might, so a leak is seen.
+        app.router.add_route("*", "/{tail:.*}", self._echo)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
@@ -115,6 +126,16 @@ class FakeRank:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @web.middleware
+    async def _record(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.log.append((request.method, request.raw_path, request.headers.get("X-Request-Id")))
+        resp: web.StreamResponse = await handler(request)
+        return resp
+
+    async def _echo(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        return web.json_response({"path": request.raw_path, "bytes": len(body)})
 
     # -- FT surface --------------------------------------------------------
     async def _status(self, request: web.Request) -> web.Response:

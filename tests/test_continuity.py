@@ -199,7 +199,7 @@ async def test_hold_timeout_ends_with_an_error_event(fakes, proxy, http) -> None
     p = await proxy(settings_for([a], hold={**HOLD, "timeout_s": 0.5}))
     chunks, _, done = await read_stream(http, p.url, "/v1/completions", completion(30))
     assert chunks[-1]["error"]["code"] == "hold_timeout" and done
-    assert set(chunks[-1]["error"]) == {"message", "type", "code"}
+    assert set(chunks[-1]["error"]) == {"message", "type", "param", "code"}
     assert text_of(chunks[:-1]) == detok(fault_free(tokenize("hello"), 5))
 
 

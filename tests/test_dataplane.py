@@ -75,7 +75,7 @@ async def test_no_healthy_rank_waits_then_503(fakes, proxy, http) -> None:
         assert r.headers["Retry-After"] == "1"
     assert loop.time() - t0 >= 0.45
     assert body["error"]["code"] == "no_healthy_rank"
-    assert set(body["error"]) == {"message", "type", "code"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
     assert a.received == []  # never forwarded into a hanging engine
 
 
@@ -165,7 +165,7 @@ async def test_bad_input_gets_openai_errors_and_harms_no_one(fakes, proxy, http)
         async with http.post(url, **kwargs) as r:
             body = await r.json()
             assert r.status == status, (kwargs, body)
-            assert set(body["error"]) == {"message", "type", "code"}
+            assert set(body["error"]) == {"message", "type", "param", "code"}
             assert r.headers["X-Request-Id"]
     async with http.get(p.url + "/v2/nothing") as r:
         assert r.status == 404 and "error" in await r.json()

@@ -1,0 +1,116 @@
+"""The routing surface: which request targets are accepted, which paths reach a rank.
+
+A request target is checked before anything else looks at it. Only the
+origin form (``/path?query``) is accepted, and only when its path is already
+in normal form: no dot segments, no empty segments, no backslash, no control
+characters, and no percent-encoding of a character that changes how the path
+splits or decodes (``/``, ``\\``, ``.``, ``%``, controls). Whatever would
+normalize to something else is refused with 400 rather than normalized, so no
+spelling of a path can mean another path to a later hop.
+
+Upstream, only an allow-list of serving endpoints is forwarded
+(``routing.forward``). The upstream URL is built from the rank's base URL and
+the allow-listed path itself, never from the client's bytes; the client's
+query string is not forwarded (no vLLM serving endpoint reads one).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from yarl import URL
+
+from proxy.errors import BadRequest
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The serving endpoints a client may use, as "METHOD /path".
+DEFAULT_FORWARD = (
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /v1/embeddings",
+    "POST /v1/score",
+    "POST /v1/rerank",
+    "POST /tokenize",
+    "POST /detokenize",
+)
+
+# Rank endpoints that must never be reachable through the data plane: FT control,
+# health and metrics, and vLLM's development-mode control endpoints.
+FORBIDDEN_PREFIXES = (
+    "/fault_tolerance", "/health", "/metrics", "/admin", "/ping", "/load", "/version",
+    "/server_info", "/reset_prefix_cache", "/reset_mm_cache", "/sleep", "/wake_up",
+    "/is_sleeping", "/collective_rpc", "/start_profile", "/stop_profile",
+    "/scale_elastic_ep", "/is_scaling_elastic_ep", "/pause", "/resume",
+)  # fmt: skip
+FORWARD_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
+_CONFIG_PATH = re.compile(r"(?:/[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]+)*)+")
+
+# Bytes that may never appear percent-encoded in a path.
+_NO_ENCODED = frozenset(b"/\\.%") | frozenset(range(0x20)) | {0x7F}
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+class InvalidTarget(BadRequest):
+    code = "invalid_request_target"
+
+
+def check_target(raw: str) -> str:
+    """The path of ``raw`` (a request target as received); raise if not in normal form."""
+    if not raw.startswith("/"):
+        raise InvalidTarget("the request target must be a path starting with '/'")
+    for ch in raw:
+        if not "!" <= ch <= "~":  # visible ASCII only: no space, controls, NUL, 8-bit
+            raise InvalidTarget("the request target has a character outside visible ASCII")
+    if "\\" in raw or "#" in raw:
+        raise InvalidTarget("the request target has a backslash or '#'")
+    path, _, query = raw.partition("?")
+    _check_escapes(path, in_path=True)
+    _check_escapes(query, in_path=False)
+    if path != "/":
+        for segment in path[1:].split("/"):
+            if segment in ("", ".", ".."):
+                raise InvalidTarget("the request path has an empty or dot segment")
+    return path
+
+
+def _check_escapes(part: str, in_path: bool) -> None:
+    i = part.find("%")
+    while i >= 0:
+        hexes = part[i + 1 : i + 3].encode()
+        if len(hexes) != 2 or not all(c in _HEX for c in hexes):
+            raise InvalidTarget("the request target has a malformed percent-encoding")
+        if in_path and int(hexes, 16) in _NO_ENCODED:
+            raise InvalidTarget("the request path percent-encodes a separator, dot or control")
+        if not in_path and int(hexes, 16) == 0:
+            raise InvalidTarget("the request query has an encoded NUL")
+        i = part.find("%", i + 3)
+
+
+@web.middleware
+async def target_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse targets not in normal form before any handler or auth check runs."""
+    check_target(request.raw_path)
+    return await handler(request)
+
+
+def parse_forward(entry: str) -> tuple[str, str]:
+    """``"POST /v1/completions"`` -> ``("POST", "/v1/completions")``; ValueError if unsafe."""
+    method, _, path = entry.strip().partition(" ")
+    path = path.strip()
+    if method not in FORWARD_METHODS:
+        raise ValueError(f"{entry!r}: method must be one of {', '.join(sorted(FORWARD_METHODS))}")
+    if not _CONFIG_PATH.fullmatch(path):
+        raise ValueError(f"{entry!r}: path must be /segments of letters, digits, _ - .")
+    if any(path == p or path.startswith(p + "/") for p in FORBIDDEN_PREFIXES):
+        raise ValueError(f"{entry!r}: a rank control, health or metrics path is never forwarded")
+    if path == "/v1/models":
+        raise ValueError(f"{entry!r}: /v1/models is answered by the proxy itself")
+    return method, path
+
+
+def upstream_url(base: str, path: str) -> URL:
+    """The rank's base URL joined with an allow-listed path, segment by segment."""
+    return URL(base).joinpath(*path.lstrip("/").split("/"))
