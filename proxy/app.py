@@ -12,7 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import admin, generation, models
+from proxy import accesslog, admin, generation, models
+from proxy.accesslog import AccessLog, AccessRecord, End
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError, error_response
 from proxy.feed import Poller, PushFeed
 from proxy.inbound import check_api_key, read_body, read_json
@@ -22,6 +23,7 @@ from proxy.recovery import AutoRecovery, Recovery
 from proxy.relay import Outbound, Relay
 from proxy.settings import Settings
 from proxy.state import (
+    ACCESS_LOG,
     CONFIG_PATH,
     METRICS,
     RECOVERY,
@@ -41,25 +43,66 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
-async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Give every request an id; answer ProxyErrors in the OpenAI shape."""
+async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost: give every request an id; write its access-log line once it ends."""
     request_id = request.headers.get("X-Request-Id") or f"ftp-{uuid.uuid4().hex[:16]}"
     request[REQUEST_ID] = request_id
+    id_token = accesslog.REQUEST_ID.set(request_id)
+    access = request.app[ACCESS_LOG]
+    if access is None:
+        try:
+            return await handler(request)
+        except (asyncio.CancelledError, ConnectionResetError):
+            request.app[METRICS].client_disconnects.inc()
+            raise
+        finally:
+            accesslog.REQUEST_ID.reset(id_token)
+    rec = AccessRecord(request_id, request.method, request.path[:512])
+    token = accesslog.CURRENT.set(rec)
+    try:
+        resp = await handler(request)
+        rec.status = resp.status
+        if not resp.prepared:  # a whole answer: its first byte goes out now
+            rec.first_byte()
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        request.app[METRICS].client_disconnects.inc()
+        rec.status, rec.end = 499, End.CLIENT_LEFT  # 499: nginx's "client closed request"
+        raise
+    except BaseException:
+        rec.status, rec.end = 500, End.ERROR
+        raise
+    finally:
+        rec.end = rec.end or accesslog.end_for(rec.status)
+        access.write(rec)
+        accesslog.CURRENT.reset(token)
+        accesslog.REQUEST_ID.reset(id_token)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer ProxyErrors in the OpenAI shape."""
+    request_id = request[REQUEST_ID]
     try:
         resp = await handler(request)
     except ProxyError as err:
         log.info("[%s] %s %s -> %d %s", request_id, request.method, request.path,
                  err.status, err.message)  # fmt: skip
-        resp = error_response(err)
+        resp = _refusal(request, err)
     except web.HTTPNotFound:
-        resp = error_response(NotFound(f"no route for {request.method} {request.path}"))
+        resp = _refusal(request, NotFound(f"no route for {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed as e:
         allowed = ", ".join(sorted(e.allowed_methods))
         message = f"{request.method} is not allowed here; allowed: {allowed}"
-        resp = error_response(MethodNotAllowed(message, {"Allow": allowed}))
+        resp = _refusal(request, MethodNotAllowed(message, {"Allow": allowed}))
     if not resp.prepared:
         resp.headers["X-Request-Id"] = request_id
     return resp
+
+
+def _refusal(request: web.Request, err: ProxyError) -> web.Response:
+    accesslog.refused(request.app[METRICS], err)
+    return error_response(err)
 
 
 async def proxy_v1(request: web.Request) -> web.StreamResponse:
@@ -73,6 +116,8 @@ async def proxy_v1(request: web.Request) -> web.StreamResponse:
     else:
         body = await read_body(request, max_bytes)
     request_id = request[REQUEST_ID]
+    if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
+        rec.model = parsed["model"][:200]
     headers = request_headers(request.headers, request_id, strip_auth=bool(settings.api_keys))
     # The route's own path (from the config), not the client's spelling of it.
     resource = request.match_info.route.resource
@@ -141,10 +186,11 @@ async def _auto_recovery(app: web.Application) -> None:
 
 def build_app(settings: Settings, config_path: Path | None = None) -> web.Application:
     app = web.Application(
-        middlewares=[errors_middleware, target_guard, admin.admin_auth],
+        middlewares=[access_middleware, errors_middleware, target_guard, admin.admin_auth],
         client_max_size=settings.limits.max_body_bytes,
     )
     app[SETTINGS] = settings
+    app[ACCESS_LOG] = AccessLog(settings.logging.format) if settings.logging.access_log else None
     if config_path is not None:
         app[CONFIG_PATH] = config_path
     app[TABLE] = table = RankTable(settings.groups)

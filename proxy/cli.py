@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from proxy import logs
 from proxy.settings import ConfigError, load_settings
 
 EXIT_CONFIG = 2
@@ -69,10 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ft-proxy: invalid configuration: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    logs.configure(settings.logging.format, settings.log_level)
     from proxy.server import serve_forever
 
     with contextlib.suppress(KeyboardInterrupt):

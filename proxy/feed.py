@@ -144,6 +144,7 @@ class PushFeed:
             return
         status, detail = summarize(msg)
         now = time.time()
+        rank.pushed_at = now
         if msg.get("kind") == "status" and status != rank.status:
             # Same clock when publisher and proxy share a host; else indicative.
             rank.push_delay_s = now - float(msg.get("ts", now))

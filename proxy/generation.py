@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from proxy import accesslog
 from proxy.continuation import ABORT, CHAT, COMPLETION, Book, hide_ids, refusal, text_of
 from proxy.errors import error_body
 from proxy.holdopen import Collector, HeldStream
@@ -29,6 +30,8 @@ async def forward(
     relay: Relay, request: web.Request, out: Outbound, kind: str, body: dict[str, Any]
 ) -> web.StreamResponse:
     book = Book.for_request(kind, body)
+    if (rec := accesslog.current()) is not None:
+        rec.tokens = partial(_tokens, book)
     if not body.get("return_token_ids"):
         # The last of duplicate keys wins in JSON parsers (vLLM's included),
         # so appending is enough, and cheaper than re-serializing the body.
@@ -67,6 +70,8 @@ async def _whole(
         up.release()
     # Errors were already retried on other ranks by the relay: pass them on.
     if raw is not None and (up.status != 200 or not ABORT.search(raw)):
+        if (rec := accesslog.current()) is not None:
+            rec.tokens, rec.usage_raw = None, raw  # the answer's own usage counts
         if up.status == 200 and not book.wants_ids:
             raw = hide_ids(raw)
         return web.Response(body=raw, status=up.status, headers=response_headers(up.headers))
@@ -76,6 +81,10 @@ async def _whole(
     collector = Collector()
     await HeldStream(relay, out, book, refused, collector).run(None)
     return _assemble(book, collector.events)
+
+
+def _tokens(book: Book) -> tuple[int | None, int | None]:
+    return (len(book.prompt_ids) if book.prompt_ids else None), len(book.generated)
 
 
 def _json(raw: bytes) -> dict[str, Any] | None:

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
+from proxy import accesslog
+from proxy.accesslog import End
 from proxy.continuation import Book, Emit
 from proxy.errors import ProxyError, error_body
 from proxy.metrics import Metrics
@@ -37,6 +39,10 @@ from proxy.sse import DONE, KEEPALIVE, SSEParser, event
 log = logging.getLogger("ftproxy.hold")
 
 FINISHED, ABORTED, UPSTREAM_ERROR = "finished", "aborted", "upstream error"
+
+# StreamFailed codes as the access log names the end.
+_ENDS = {"hold_timeout": End.HOLD_TIMEOUT, "stream_aborted": End.NOT_CONTINUED,
+         "continuation_failed": End.UPSTREAM_ERROR}  # fmt: skip
 
 
 # Book.on_original or Book.on_continuation: one parsed chunk in, client chunks out.
@@ -81,6 +87,10 @@ class HeldStream:
         self.hold_reason = ""
         self.resume_mode = "engine"  # who ends the next hold, as metrics count it
         self.writing = False
+        self.access = accesslog.current()
+        self.continuations = 0
+        # Cleared at the first event the client gets: its time to first token.
+        self.first_pending = self.access is not None and not isinstance(sink, Collector)
 
     # -- the whole life of the stream ------------------------------------------
     async def run(self, first: Attempt | None) -> None:
@@ -91,6 +101,7 @@ class HeldStream:
         finally:
             watchdog.cancel()
             self._unhold(None)
+            self.metrics.continuations.observe(self.continuations)
             if self.upstream is not None:
                 self.upstream.close()
 
@@ -102,11 +113,13 @@ class HeldStream:
                 attempt, handle = await self._continuation(), self.book.on_continuation
             while (outcome := await self._pump(attempt, handle)) != FINISHED:
                 if outcome == UPSTREAM_ERROR:
+                    self._ended(End.UPSTREAM_ERROR)
                     break  # its error event already went to the client
                 attempt = await self._continuation()
                 handle = self.book.on_continuation
         except StreamFailed as e:
             log.warning("[%s] stream ends with an error: %s", self.out.request_id, e)
+            self._ended(_ENDS.get(e.code, End.UPSTREAM_ERROR))
             for data in self.book.closing():
                 await self._write(event(data))
             body = error_body(str(e), "server_error", e.code)
@@ -207,6 +220,9 @@ class HeldStream:
                 continue
             if attempt.response.status == 200:
                 self.resume_mode = "continuation"
+                self.continuations += 1
+                if self.access is not None:
+                    self.access.continuations += 1
                 log.info("[%s] continuing on %s after %d tokens", self.out.request_id,
                          attempt.rank.name, len(self.book.generated))  # fmt: skip
                 return attempt
@@ -233,6 +249,8 @@ class HeldStream:
             return
         self.held_since, self.hold_reason = time.monotonic(), reason
         self.metrics.streams_held.inc()
+        if self.access is not None:
+            self.access.holds += 1
         log.info("[%s] stream held: %s (rank %s, %d tokens so far)", self.out.request_id, reason,
                  self.rank.name if self.rank else "-", len(self.book.generated))  # fmt: skip
 
@@ -243,6 +261,8 @@ class HeldStream:
         self.held_since = None
         self.metrics.streams_held.dec()
         self.metrics.hold_seconds.observe(held_s)
+        if self.access is not None:
+            self.access.hold_s += held_s
         if mode is not None:
             self.metrics.resumes.labels(mode).inc()
             log.info("[%s] stream resumed by the %s after %.1fs on hold (%s)",
@@ -282,7 +302,14 @@ class HeldStream:
         group = self.relay.table.group(self.rank.group)
         return next((r for r in group if r.status != HEALTHY), None)
 
+    def _ended(self, end: End) -> None:
+        if self.access is not None:
+            self.access.end = end
+
     async def _write(self, data: bytes) -> None:
+        if self.first_pending and data is not KEEPALIVE and self.access is not None:
+            self.access.first_byte()
+            self.first_pending = False
         self.writing = True
         try:
             await self.sink.write(data)

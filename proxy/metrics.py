@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -29,13 +30,21 @@ class _RankStatusCollector(Collector):
         in_flight = GaugeMetricFamily(
             "ftproxy_in_flight", "Requests in flight to the rank", labels=["rank"]
         )
+        heartbeat = GaugeMetricFamily(
+            "ftproxy_feed_heartbeat_age_seconds",
+            "Seconds since the rank's status feed was last heard", labels=["rank"],
+        )  # fmt: skip
+        now = time.time()
         for r in self.table:
+            if r.status_feed and r.pushed_at:
+                heartbeat.add_metric([r.name], max(now - r.pushed_at, 0.0))
             status.add_metric([r.name, r.status], 1)
             routable.add_metric([r.name], 1 if r.routable else 0)
             in_flight.add_metric([r.name], r.in_flight)
         yield status
         yield routable
         yield in_flight
+        yield heartbeat
 
 
 class Metrics:
@@ -90,6 +99,22 @@ class Metrics:
             "ftproxy_auto_recovery_decisions", "Automatic recovery decisions by group",
             ["group", "decision"], registry=r,
         )  # fmt: skip
+        self.queue_wait = Histogram(
+            "ftproxy_queue_wait_seconds",
+            "Time requests waited for a healthy rank (those that had to)",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
+        )  # fmt: skip
+        self.continuations = Histogram(
+            "ftproxy_continuations_per_stream", "Continuations each held-open stream needed",
+            buckets=(0, 1, 2, 3, 5, 10), registry=r,
+        )  # fmt: skip
+        self.refusals = Counter(
+            "ftproxy_refusals", "Requests the proxy answered with an error itself, by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.client_disconnects = Counter(
+            "ftproxy_client_disconnects", "Clients that left before their answer ended", registry=r
+        )
         r.register(_RankStatusCollector(table))
 
     def render(self) -> bytes:

@@ -47,6 +47,7 @@ class Rank:
     changed_at: float = 0.0
     # Publisher clock to our table, for the last pushed status change.
     push_delay_s: float | None = None
+    pushed_at: float = 0.0  # wall clock of the last status-feed message (heartbeats too)
 
     @property
     def routable(self) -> bool:

@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy import accesslog
 from proxy.balancer import SmoothWeightedBalancer
 from proxy.errors import NoHealthyRank, UpstreamFailed
 from proxy.metrics import Metrics
@@ -98,6 +99,8 @@ class Relay:
             if attempt is None:
                 continue
             if attempt.response.status < 500 or not self._has_other(tried):
+                if (rec := accesslog.current()) is not None:
+                    rec.served_by(rank.name, rank.group)
                 return attempt
             failures.append(f"{rank.name}: HTTP {attempt.response.status}")
             self.metrics.upstream_errors.labels(rank.name, "http_5xx").inc()
@@ -131,10 +134,12 @@ class Relay:
             return rank  # a retry never waits: it has somewhere else to fail over to
         queue_s = self.settings.timeouts.queue_s if queue_s is None else queue_s
         self.metrics.queued.inc()
+        since = time.monotonic()
         try:
             await self.table.wait_for(self.table.any_routable, queue_s)
         finally:
             self.metrics.queued.dec()
+            self._waited(time.monotonic() - since)
         rank = self.balancer.pick(self.table, exclude)
         if rank is None:
             self.metrics.no_rank.inc()
@@ -142,6 +147,11 @@ class Relay:
                 f"no healthy rank within {queue_s:.0f}s", retry_after_s=max(1, round(queue_s))
             )
         return rank
+
+    def _waited(self, seconds: float) -> None:
+        self.metrics.queue_wait.observe(seconds)
+        if (rec := accesslog.current()) is not None:
+            rec.queue_s += seconds
 
     async def relay(self, request: web.Request, attempt: Attempt) -> web.StreamResponse:
         """Pass the upstream answer on as it is."""
@@ -159,7 +169,11 @@ class Relay:
         complete = False
         try:
             await resp.prepare(request)
+            rec = accesslog.current()
             async for chunk in up.content.iter_any():
+                if rec is not None:
+                    rec.first_byte()
+                    rec = None
                 await resp.write(chunk)
             await resp.write_eof()
             complete = True

@@ -8,7 +8,7 @@ environment, e.g. ``FTPROXY_LISTEN__PORT=9000`` or ``FTPROXY_ADMIN__TOKEN``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -112,6 +112,13 @@ class Routing(BaseModel):
         return entries
 
 
+class Logging(BaseModel):
+    # One line per client request, written when it ends (see proxy.accesslog).
+    access_log: bool = True
+    # text: readable lines; json: one object per line with stable keys.
+    format: Literal["text", "json"] = "text"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="FTPROXY_", env_nested_delimiter="__", extra="forbid"
@@ -127,6 +134,7 @@ class Settings(BaseSettings):
     # Optional data-plane API keys (Authorization: Bearer <key>).
     api_keys: list[SecretStr] = []
     log_level: str = "INFO"
+    logging: Logging = Logging()
 
     @model_validator(mode="after")
     def _unique_names(self) -> Settings:

@@ -7,12 +7,15 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from proxy.accesslog import AccessLog
 from proxy.metrics import Metrics
 from proxy.ranks import RankTable
 from proxy.recovery import Recovery
 from proxy.relay import Relay
 from proxy.settings import Settings
 
+# None: the access log is off.
+ACCESS_LOG: web.AppKey[AccessLog | None] = web.AppKey("access_log")
 SETTINGS = web.AppKey("settings", Settings)
 TABLE = web.AppKey("table", RankTable)
 METRICS = web.AppKey("metrics", Metrics)

@@ -1,0 +1,142 @@
+"""The access log: one json line per client request, however it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+from typing import Any
+
+import aiohttp
+
+from proxy import accesslog, logs
+from proxy.accesslog import AccessLog, AccessRecord, End
+from proxy.server import Running
+from proxy.state import ACCESS_LOG, METRICS
+from tests.conftest import settings_for
+
+HOLD = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0}
+JSON_LOGS = {"access_log": True, "format": "json"}
+
+
+def capture(p: Running) -> io.StringIO:
+    out = io.StringIO()
+    access = p.app[ACCESS_LOG]
+    assert access is not None
+    access.stream = out
+    return out
+
+
+async def lines(out: io.StringIO, n: int) -> list[dict[str, Any]]:
+    for _ in range(200):
+        got = [json.loads(line) for line in out.getvalue().splitlines()]
+        if len(got) >= n:
+            return got
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"expected {n} access lines, got: {out.getvalue()!r}")
+
+
+async def test_four_requests_four_lines(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=10, auto_recover_s=60)
+    b = await fakes(name="b", token_delay_s=0.002)
+    p = await proxy(settings_for([a, b], weights=[100, 1], hold=HOLD, logging=JSON_LOGS))
+    out = capture(p)
+    headers = {"Authorization": "Bearer not-logged", "X-Request-Id": "held-1"}
+    body = {"model": "fake-model", "prompt": "hello", "max_tokens": 30, "stream": True}
+    async with http.post(p.url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status == 200
+        await r.read()
+    whole = {"model": "fake-model", "prompt": "hi", "max_tokens": 5}
+    async with http.post(p.url + "/v1/completions", json=whole,
+                         headers={"X-Request-Id": "whole-1"}) as r:  # fmt: skip
+        assert r.status == 200
+    async with http.post(p.url + "/v1/completions", data=b"{not json",
+                         headers={"Content-Type": "application/json",
+                                  "X-Request-Id": "bad-1"}) as r:  # fmt: skip
+        assert r.status == 400
+    slow = {"model": "fake-model", "prompt": "bye", "max_tokens": 500, "stream": True}
+    b.token_delay_s = 0.05
+    async with aiohttp.ClientSession() as gone:
+        resp = await gone.post(p.url + "/v1/completions", json=slow,
+                               headers={"X-Request-Id": "left-1"})  # fmt: skip
+        await resp.content.readline()
+        resp.close()
+    held, whole_line, bad, left = await lines(out, 4)
+
+    assert "not-logged" not in out.getvalue() and "hello" not in out.getvalue()
+    keys = list(held)
+    assert all(list(line) == keys for line in (whole_line, bad, left))  # stable keys
+    assert held["request_id"] == "held-1" and held["logger"] == "ftproxy.access"
+    assert held["status"] == 200 and held["end"] == End.FINISHED
+    assert held["ranks"] == ["a", "b"] and held["group"] == "dp-a"
+    assert held["holds"] == 1 and held["continuations"] == 1 and held["hold_s"] >= 0
+    assert held["completion_tokens"] == 30 and held["prompt_tokens"] == 5
+    assert held["model"] == "fake-model" and held["method"] == "POST"
+    assert 0 < held["ttfb_s"] <= held["duration_s"]
+
+    assert whole_line["request_id"] == "whole-1" and whole_line["ranks"] == ["b"]
+    assert whole_line["end"] == End.FINISHED and whole_line["completion_tokens"] == 5
+    assert whole_line["holds"] == 0 and whole_line["continuations"] == 0
+
+    assert bad["request_id"] == "bad-1" and bad["status"] == 400
+    assert bad["end"] == End.REFUSED and bad["ranks"] == [] and bad["model"] is None
+
+    assert left["request_id"] == "left-1" and left["end"] == End.CLIENT_LEFT
+    assert left["status"] == 499 and left["ranks"] == ["b"]
+    assert left["completion_tokens"] is not None and left["completion_tokens"] < 500
+
+    metrics = p.app[METRICS]
+    assert metrics.refusals.labels("bad_request")._value.get() == 1
+    assert metrics.client_disconnects._value.get() == 1
+    assert metrics.continuations._sum.get() == 1
+
+
+async def test_access_log_off_writes_nothing(fakes, proxy, http) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], logging={"access_log": False}))
+    assert p.app[ACCESS_LOG] is None
+    async with http.post(p.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+        assert r.status == 200
+
+
+async def test_no_rank_is_its_own_end(fakes, proxy, http) -> None:
+    a = await fakes(name="a", status="unhealthy")
+    p = await proxy(settings_for([a], timeouts={"queue_s": 0.1}, logging=JSON_LOGS),
+                    wait_routable=False)  # fmt: skip
+    out = capture(p)
+    async with http.post(p.url + "/v1/completions", json={"prompt": "x"}) as r:
+        assert r.status == 503
+    (line,) = await lines(out, 1)
+    assert line["end"] == End.NO_RANK and line["queue_s"] >= 0.09
+    assert p.app[METRICS].queue_wait._sum.get() >= 0.09
+
+
+def test_text_line_is_one_readable_line() -> None:
+    out = io.StringIO()
+    rec = AccessRecord("r-1", "POST", "/v1/x\nINJECTED")
+    rec.model, rec.end = "m\nx", End.FINISHED
+    rec.served_by("r0", "dp-a")
+    AccessLog("text", out).write(rec)
+    line = out.getvalue()
+    assert line.count("\n") == 1 and "[r-1] POST" in line and "ranks=r0" in line
+    assert "end=finished" in line
+
+
+def test_json_event_logs_carry_the_request_id() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logs.JsonFormatter())
+    log = logging.getLogger("ftproxy.test")
+    log.addHandler(handler)
+    try:
+        token = accesslog.REQUEST_ID.set("rid-7")
+        log.warning("inside %s", "a request")
+        accesslog.REQUEST_ID.reset(token)
+        log.warning("outside")
+    finally:
+        log.removeHandler(handler)
+    inside, outside = (json.loads(x) for x in stream.getvalue().splitlines())
+    assert inside == {"ts": inside["ts"], "level": "WARNING", "logger": "ftproxy.test",
+                      "msg": "inside a request", "request_id": "rid-7"}  # fmt: skip
+    assert "request_id" not in outside and outside["msg"] == "outside"
