@@ -111,6 +111,7 @@ def start_proxy(backend: str, port: int, workdir: Path) -> subprocess.Popen[byte
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
         f"groups: [{{name: g, ranks: [{{name: r0, url: '{backend}'}}]}}]\n"
         "log_level: WARNING\n"
+        "shutdown: {ready_delay_s: 0, grace_s: 1}\n"
     )
     cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg)]
     return subprocess.Popen(cmd)

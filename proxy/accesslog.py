@@ -38,6 +38,7 @@ class End(enum.StrEnum):
     UPSTREAM_ERROR = "upstream_error"
     HOLD_TIMEOUT = "hold_timeout"
     NOT_CONTINUED = "not_continued"  # aborted and could not be continued exactly
+    PROXY_SHUTDOWN = "proxy_shutdown"  # ended by a graceful stop after its grace period
     ERROR = "error"  # a bug in the proxy: see the event log
 
 

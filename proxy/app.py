@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import accesslog, admin, generation, models
+from proxy import accesslog, admin, drain, generation, models
 from proxy.accesslog import AccessLog, AccessRecord, End
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError, error_response
 from proxy.feed import Poller, PushFeed
@@ -185,10 +185,21 @@ async def _auto_recovery(app: web.Application) -> None:
 
 
 def build_app(settings: Settings, config_path: Path | None = None) -> web.Application:
+    draining = drain.Drain()
     app = web.Application(
-        middlewares=[access_middleware, errors_middleware, target_guard, admin.admin_auth],
+        # Drain sits inside the access log (which then logs how a request it
+        # ended at shutdown ended) and outside the rest, so that request gets
+        # its error event after all else.
+        middlewares=[
+            access_middleware,
+            draining.middleware,
+            errors_middleware,
+            target_guard,
+            admin.admin_auth,
+        ],
         client_max_size=settings.limits.max_body_bytes,
     )
+    drain.install(app, draining)
     app[SETTINGS] = settings
     app[ACCESS_LOG] = AccessLog(settings.logging.format) if settings.logging.access_log else None
     if config_path is not None:
@@ -200,7 +211,7 @@ def build_app(settings: Settings, config_path: Path | None = None) -> web.Applic
     app.cleanup_ctx.append(_background("push-feed", _push))
     app.cleanup_ctx.append(_background("auto-recovery", _auto_recovery))
     admin.add_routes(app)
-    app.router.add_get("/health", health)
+    app.router.add_get("/health", health)  # some rank routable; /ready, /live: proxy.drain
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     for entry in settings.routing.forward:

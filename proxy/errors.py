@@ -10,6 +10,7 @@ they occur into one of these, so handlers deal with a small, known set::
     ├── NotFound                404
     ├── MethodNotAllowed        405
     ├── NoHealthyRank           503 nothing routable within the queue timeout
+    ├── ProxyShutdown           503 the proxy stopped before the answer was ready
     ├── RoundInProgress         409 another recovery round runs for the group
     └── UpstreamFailed          502 every attempt failed before the first byte
 """
@@ -67,6 +68,10 @@ class NoHealthyRank(ProxyError):
 
 class UpstreamFailed(ProxyError):
     status, type, code = 502, "server_error", "upstream_failed"
+
+
+class ProxyShutdown(ProxyError):
+    status, type, code = 503, "server_error", "proxy_shutdown"
 
 
 class RoundInProgress(ProxyError):

@@ -12,8 +12,10 @@ from aiohttp import web
 
 from proxy.admin import reload_config
 from proxy.app import build_app
+from proxy.drain import DRAIN, Drain, graceful_stop
 from proxy.errors import ProxyError
 from proxy.settings import Settings
+from proxy.state import SETTINGS
 
 log = logging.getLogger("ftproxy.server")
 
@@ -25,13 +27,26 @@ class Running:
     runner: web.AppRunner
     app: web.Application
     port: int
+    stopped: bool = False
+
+    @property
+    def drain(self) -> Drain:
+        return self.app[DRAIN]
+
+    async def graceful_stop(self) -> None:
+        """What SIGTERM does: readiness off, listener closed, work finished or ended."""
+        if not self.stopped:
+            self.stopped = True
+            await graceful_stop(self.runner, self.drain, self.app[SETTINGS].shutdown)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def stop(self) -> None:
-        await self.runner.cleanup()
+        if not self.stopped:
+            self.stopped = True
+            await self.runner.cleanup()
 
 
 async def start(settings: Settings, config_path: Path | None = None) -> Running:
@@ -60,12 +75,19 @@ async def serve_forever(settings: Settings, config_path: Path | None = None) -> 
     running = await start(settings, config_path)
     log.info("ft-proxy listening on http://%s:%d", settings.listen.host, running.port)
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: no more waiting
+            running.drain.hurry.set()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     loop.add_signal_handler(signal.SIGHUP, _reload, running.app)
     try:
         await stop.wait()
-    finally:
         log.info("ft-proxy shutting down")
-        await running.stop()
+        await running.graceful_stop()
+    finally:
+        await running.stop()  # a no-op after a graceful stop

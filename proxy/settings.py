@@ -119,6 +119,17 @@ class Logging(BaseModel):
     format: Literal["text", "json"] = "text"
 
 
+class Shutdown(BaseModel):
+    """Graceful drain on SIGTERM (see proxy.drain)."""
+
+    # /ready answers 503 this long, everything else served as before, so load
+    # balancers (Kubernetes endpoints) stop sending new connections first.
+    ready_delay_s: float = Field(5.0, ge=0)
+    # Then the listener closes and what is in flight gets this long to finish;
+    # what is left ends with a proxy_shutdown error event.
+    grace_s: float = Field(30.0, ge=0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="FTPROXY_", env_nested_delimiter="__", extra="forbid"
@@ -131,6 +142,7 @@ class Settings(BaseSettings):
     hold: Hold = Hold()
     admin: Admin = Admin()
     routing: Routing = Routing()
+    shutdown: Shutdown = Shutdown()
     # Optional data-plane API keys (Authorization: Bearer <key>).
     api_keys: list[SecretStr] = []
     log_level: str = "INFO"

@@ -195,6 +195,7 @@ def write_config(path: Path, ranks: list[tuple[str, str, int]]) -> None:
         "groups": [{"name": "dp-a", "ranks": [{"name": n, "url": u, "weight": w}
                                                for n, u, w in ranks]}],
         "admin": {"token": TOKEN}, "timeouts": {"poll_interval_s": 0.05},
+        "shutdown": {"ready_delay_s": 0, "grace_s": 1},
     }))  # fmt: skip
 
 

@@ -1,0 +1,184 @@
+"""Graceful drain: readiness first, then the listener, then the streams.
+
+On SIGTERM (:func:`graceful_stop`, called by ``proxy.server``):
+
+1. ``GET /ready`` answers 503 at once while everything else is served as
+   before, for ``shutdown.ready_delay_s``: load balancers (Kubernetes
+   endpoints) see it and stop sending new connections;
+2. the listener closes, so new connections are refused; every answer from
+   then on carries ``Connection: close``, so kept-alive clients reconnect
+   elsewhere;
+3. requests in flight, held streams included, get ``shutdown.grace_s`` to
+   finish;
+4. what is left is ended, never cut silently: a stream gets an OpenAI-shaped
+   error event (``code: proxy_shutdown``) and ``[DONE]``; a request that has
+   no answer yet gets 503 ``proxy_shutdown``.
+
+``GET /live`` stays 200 as long as the process answers at all; ``/health``
+keeps meaning "some rank is routable" (see README, "Which probe for what").
+A second SIGTERM skips the waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy import accesslog
+from proxy.errors import ProxyShutdown, error_body, error_response
+from proxy.settings import Shutdown
+from proxy.sse import DONE, event
+
+log = logging.getLogger("ftproxy.drain")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# After the grace period: how long the ended requests get to write their
+# error event before the runner cancels whatever is still there.
+CUT_WAIT_S = 2.0
+
+
+@dataclass(eq=False)
+class InFlight:
+    task: asyncio.Task[Any] | None
+    stream: web.StreamResponse | None = None  # a prepared SSE answer
+    cut: bool = False
+
+
+IN_FLIGHT = web.RequestKey("in_flight", InFlight)
+
+
+class Drain:
+    def __init__(self) -> None:
+        self.draining = False
+        self.since: float | None = None
+        self.hurry = asyncio.Event()  # a second signal: stop waiting
+        self._in_flight: set[InFlight] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def begin(self) -> None:
+        if not self.draining:
+            self.draining, self.since = True, time.monotonic()
+
+    # -- the request side -----------------------------------------------------
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        entry = InFlight(asyncio.current_task())
+        request[IN_FLIGHT] = entry
+        self._in_flight.add(entry)
+        self._idle.clear()
+        try:
+            resp = await handler(request)
+        except asyncio.CancelledError:
+            if not entry.cut:
+                raise  # the client went away, or the runner is cancelling
+            if entry.task is not None:
+                entry.task.uncancel()
+            resp = await _end(entry)
+        finally:
+            self._in_flight.discard(entry)
+            if not self._in_flight:
+                self._idle.set()
+        if self.draining and not resp.prepared:
+            resp.force_close()
+        return resp
+
+    async def on_prepare(self, request: web.Request, resp: web.StreamResponse) -> None:
+        """Remember an SSE answer (to end it well) and close connections while draining."""
+        entry = request.get(IN_FLIGHT)
+        if entry is not None and resp.content_type == "text/event-stream":
+            entry.stream = resp
+        if self.draining:
+            # The hook runs after aiohttp computed the headers: set both.
+            resp.force_close()
+            resp.headers["Connection"] = "close"
+
+    # -- the shutdown side ----------------------------------------------------
+    async def wait_idle(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bool, not an error
+        """Wait until nothing is in flight, the timeout passes, or ``hurry`` is set."""
+        idle, hurry = (
+            asyncio.ensure_future(self._idle.wait()),
+            asyncio.ensure_future(self.hurry.wait()),
+        )
+        try:
+            await asyncio.wait([idle, hurry], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            idle.cancel()
+            hurry.cancel()
+        return not self._in_flight
+
+    def cut(self) -> int:
+        """End everything still in flight; returns how many were ended."""
+        left = [e for e in self._in_flight if not e.cut and e.task is not None]
+        for entry in left:
+            entry.cut = True
+            assert entry.task is not None
+            entry.task.cancel()
+        return len(left)
+
+
+async def _end(entry: InFlight) -> web.StreamResponse:
+    message = "the proxy is shutting down; the answer was ended before it was complete"
+    rec = accesslog.current()
+    if rec is not None:
+        rec.end = accesslog.End.PROXY_SHUTDOWN
+    if entry.stream is None or not entry.stream.prepared:
+        return error_response(ProxyShutdown(message))
+    resp = entry.stream
+    body = orjson.dumps(error_body(message, "server_error", ProxyShutdown.code))
+    # The leading blank line ends a partly written event (a raw relay may be
+    # cut inside one); between whole events it is an empty, ignored event.
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await resp.write(b"\n\n" + event(body) + event(DONE))
+        await resp.write_eof()
+    return resp
+
+
+async def ready(request: web.Request) -> web.Response:
+    if request.app[DRAIN].draining:
+        return web.json_response({"status": "draining"}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def live(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+DRAIN = web.AppKey("drain", Drain)
+
+
+def install(app: web.Application, drain: Drain) -> None:
+    """Add the probes and the prepare hook; the caller puts the middleware first."""
+    app[DRAIN] = drain
+    app.on_response_prepare.append(drain.on_prepare)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/live", live)
+
+
+async def graceful_stop(runner: web.AppRunner, drain: Drain, cfg: Shutdown) -> None:
+    """The SIGTERM sequence; ends with the runner cleaned up."""
+    drain.begin()
+    log.info("draining: /ready is 503; still serving for %.1fs", cfg.ready_delay_s)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(drain.hurry.wait(), cfg.ready_delay_s)
+    for site in list(runner.sites):
+        await site.stop()
+    log.info("listener closed; %d request(s) in flight get %.1fs", drain.in_flight, cfg.grace_s)
+    if not await drain.wait_idle(cfg.grace_s):
+        ended = drain.cut()
+        log.warning("grace period over: ending %d request(s) with proxy_shutdown", ended)
+        await drain.wait_idle(CUT_WAIT_S)
+    await runner.cleanup()
