@@ -120,6 +120,7 @@ async def scale_down(request: web.Request) -> web.Response:
     if report.outcome == RECOVERED:
         for name in body.removed:  # stop routing to the removed ranks
             by_name[name].weight = 0
+            by_name[name].removed = True  # and stop judging the group by them
         request.app[TABLE].notify()
     return _report_response(report)
 

@@ -36,7 +36,8 @@ def rank_table(ranks: list[dict[str, Any]]) -> Table:
     for r in ranks:
         style = _STATUS_STYLE.get(r["status"], "magenta")
         heard = f"{now - r['last_heard']:.1f}s ago" if r["last_heard"] else "never"
-        note = r.get("fault_info") or (r["reason"] if not r["reachable"] else "")
+        # Why a rank takes no new requests, e.g. a faulted peer of its group.
+        note = r.get("fault_info") or r.get("unroutable_reason") or ""
         table.add_row(r["group"], r["name"], f"[{style}]{r['status']}[/]",
                       "yes" if r["routable"] else "no", str(r["weight"]), str(r["in_flight"]),
                       heard, note or "")  # fmt: skip

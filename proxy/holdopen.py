@@ -31,7 +31,7 @@ from proxy.accesslog import End
 from proxy.continuation import Book, Emit
 from proxy.errors import ProxyError, error_body
 from proxy.metrics import Metrics
-from proxy.ranks import HEALTHY, UNHEALTHY, Rank
+from proxy.ranks import UNHEALTHY, Rank, group_fault
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.settings import Hold
 from proxy.sse import DONE, KEEPALIVE, SSEParser, event
@@ -294,13 +294,12 @@ class HeldStream:
         # whatever the table says (it may lag the engine by a poll).
         faulted = self._faulted_in_group()
         if faulted is not None and idle > self.cfg.keepalive_s:
-            self._hold(f"rank {faulted.name} of its group is {faulted.status}")
+            self._hold(f"rank {faulted.name} of its group is {faulted.own_fault}")
 
     def _faulted_in_group(self) -> Rank | None:
         if self.rank is None:
             return None
-        group = self.relay.table.group(self.rank.group)
-        return next((r for r in group if r.status != HEALTHY), None)
+        return group_fault(self.relay.table.group(self.rank.group))
 
     def _ended(self, end: End) -> None:
         if self.access is not None:

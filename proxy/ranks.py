@@ -6,6 +6,13 @@ relay, ``/health``, ``/metrics``. Status updates carry the wall-clock time of
 the observation and the newest observation wins, so a slow poll answer never
 overwrites a fresher push. Waiters are woken on every change,
 including a change of the rank's status entry alone.
+
+Routability is decided per DP group, not per rank: the ranks of a group step
+in lockstep, so when one member faults its peers stall in the next collective
+while still saying ``healthy`` until their own collective times out (seconds
+on the rig, minutes with GPU defaults). A rank therefore takes new requests
+only when every member of its group is healthy and reachable (see
+:func:`group_fault`).
 """
 
 from __future__ import annotations
@@ -48,21 +55,50 @@ class Rank:
     # Publisher clock to our table, for the last pushed status change.
     push_delay_s: float | None = None
     pushed_at: float = 0.0  # wall clock of the last status-feed message (heartbeats too)
+    # Left its DP group (scale_down): its state no longer stalls the peers.
+    removed: bool = False
+    # Why its group cannot take work (a peer's state), kept by the table.
+    group_reason: str | None = None
+
+    @property
+    def own_fault(self) -> str | None:
+        """Why this rank itself cannot serve, or None."""
+        if not self.reachable:
+            return f"unreachable ({self.reason})" if self.reason else "unreachable"
+        if self.status != HEALTHY:
+            return self.status
+        return None
+
+    @property
+    def unroutable_reason(self) -> str | None:
+        """Why new requests do not go here, or None when they may."""
+        if self.weight <= 0:
+            return "drained (weight 0)"
+        return self.own_fault or self.group_reason
 
     @property
     def routable(self) -> bool:
-        return self.reachable and self.status == HEALTHY and self.weight > 0
+        return self.unroutable_reason is None
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "name": self.name, "url": self.url, "group": self.group, "dp_rank": self.dp_rank,
             "weight": self.weight, "status": self.status, "routable": self.routable,
-            "reachable": self.reachable, "reason": self.reason, "source": self.source,
+            "unroutable_reason": self.unroutable_reason, "reachable": self.reachable,
+            "reason": self.reason, "source": self.source,
             "fault_info": self.fault_info, "detail": self.detail,
             "in_flight": self.in_flight, "last_heard": self.last_heard,
             "push_delay_s": self.push_delay_s, "changed_by": self.changed_by,
             "changed_at": self.changed_at,
         }  # fmt: skip
+
+
+def group_fault(group: Iterable[Rank]) -> Rank | None:
+    """The first member of a DP group that is not healthy or not reachable (a
+    silent feed counts as not reachable), or None: the rule for whether the
+    group can make progress. Ranks that left the group (scale_down) do not
+    count."""
+    return next((r for r in group if not r.removed and r.own_fault is not None), None)
 
 
 class RankTable:
@@ -139,9 +175,20 @@ class RankTable:
         return True
 
     def notify(self) -> None:
+        self._judge_groups()
         self.version += 1
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def _judge_groups(self) -> None:
+        groups: dict[str, list[Rank]] = {}
+        for r in self.ranks.values():
+            groups.setdefault(r.group, []).append(r)
+        for members in groups.values():
+            peer = group_fault(members)
+            reason = None if peer is None else f"rank {peer.name} of its group is {peer.own_fault}"
+            for r in members:
+                r.group_reason = reason
 
     # A bool answer, not an exception, is what every caller branches on.
     async def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:  # noqa: ASYNC109

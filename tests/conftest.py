@@ -23,18 +23,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def settings_for(ranks: list[FakeRank], weights: list[int] | None = None, **extra: Any) -> Settings:
+def settings_for(
+    ranks: list[FakeRank],
+    weights: list[int] | None = None,
+    *,
+    separate: bool = False,
+    **extra: Any,
+) -> Settings:
+    """All ``ranks`` in one DP group ``dp-a`` (a fault in one stalls the
+    group), or with ``separate`` each in a group of its own (``g-<name>``)."""
     weights = weights or [1] * len(ranks)
     timeouts = {"poll_interval_s": FAST_POLL_S, "queue_s": 2.0, **extra.pop("timeouts", {})}
-    return Settings(
-        listen={"host": "127.0.0.1", "port": 0},
-        groups=[{"name": "dp-a", "ranks": [
-            {"name": r.name, "url": r.url, "weight": w}
-            for r, w in zip(ranks, weights, strict=True)
-        ]}],
-        timeouts=timeouts,
-        **extra,
+    entries = [{"name": r.name, "url": r.url, "weight": w}
+               for r, w in zip(ranks, weights, strict=True)]  # fmt: skip
+    groups = (
+        [{"name": f"g-{e['name']}", "ranks": [e]} for e in entries] if separate
+        else [{"name": "dp-a", "ranks": entries}]
     )  # fmt: skip
+    return Settings(
+        listen={"host": "127.0.0.1", "port": 0}, groups=groups, timeouts=timeouts, **extra
+    )
+
+
+def replicas(ranks: list[FakeRank], weights: list[int] | None = None, **extra: Any) -> Settings:
+    """Independent ranks: each its own DP group, so one's fault leaves the
+    others routable."""
+    return settings_for(ranks, weights, separate=True, **extra)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from proxy.state import METRICS
-from tests.conftest import settings_for
+from tests.conftest import replicas, settings_for
 from tests.fakes import chat_prompt, detok, next_token, tokenize
 
 HOLD = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0}
@@ -63,7 +63,7 @@ def completion(n: int, **kw: Any) -> dict[str, Any]:
 async def test_completion_stream_continues_exactly(fakes, proxy, http, ranks) -> None:
     a = await fakes(name="a", token_delay_s=0.002, fault_after=20, auto_recover_s=0.4)
     others = [await fakes(name="b", token_delay_s=0.002)] if ranks == 2 else []
-    p = await proxy(settings_for([a, *others], weights=[100, 1][:ranks], hold=HOLD))
+    p = await proxy(replicas([a, *others], weights=[100, 1][:ranks], hold=HOLD))
     chunks, keepalives, done = await read_stream(http, p.url, "/v1/completions", completion(60))
     assert text_of(chunks) == detok(fault_free(tokenize("hello"), 60))
     assert finishes(chunks) == ["length"] and done
@@ -137,7 +137,7 @@ async def test_fault_before_the_first_token_restarts(fakes, proxy, http) -> None
 async def test_abort_as_first_chunk_restarts_the_request(fakes, proxy, http) -> None:
     a = await fakes(name="a", token_delay_s=0.002, fault_after=1, auto_recover_s=0.1)
     b = await fakes(name="b", token_delay_s=0.002)
-    p = await proxy(settings_for([a, b], weights=[100, 1], hold=HOLD))
+    p = await proxy(replicas([a, b], weights=[100, 1], hold=HOLD))
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}],
             "max_tokens": 12, "stream": True}  # fmt: skip
     chunks, _, _ = await read_stream(http, p.url, "/v1/chat/completions", body)
@@ -246,12 +246,21 @@ async def test_greedy_splice_starts_at_the_last_clean_boundary() -> None:
 async def test_a_peer_fault_holds_a_stalled_stream(fakes, proxy, http) -> None:
     # The stream's own rank stalls but keeps saying healthy, as a DP peer of a
     # faulted rank does until its collective times out; a peer of its group
-    # reports the fault.
+    # reports the fault, and recovers with it.
     a = await fakes(name="a", token_delay_s=0.002, fault_after=10, auto_recover_s=0.6,
                     resume=True, reports_fault=False)  # fmt: skip
-    peer = await fakes(name="peer", status="unhealthy")
+    peer = await fakes(name="peer")
     p = await proxy(settings_for([a, peer], hold={**HOLD, "stall_s": 30}))
+
+    async def peer_follows_a() -> None:
+        await a._faulted.wait()
+        peer.fault()
+        await a.recovered.wait()
+        peer.recover()
+
+    follower = asyncio.create_task(peer_follows_a())
     chunks, keepalives, _ = await read_stream(http, p.url, "/v1/completions", completion(30))
+    await follower
     assert text_of(chunks) == detok(fault_free(tokenize("hello"), 30)) and keepalives >= 1
     assert p.app[METRICS].resumes.labels("engine")._value.get() == 1
 

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 
 from proxy.state import TABLE
-from tests.conftest import FAST_POLL_S, settings_for
+from tests.conftest import FAST_POLL_S, replicas, settings_for
 
 
 def completion(max_tokens: int = 4, stream: bool = False, **kw: Any) -> dict[str, Any]:
@@ -26,7 +26,7 @@ async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, A
 async def test_only_healthy_ranks_receive_requests(fakes, proxy, http) -> None:
     a, b = await fakes(name="a"), await fakes(name="b", status="unhealthy")
     c = await fakes(name="c")
-    p = await proxy(settings_for([a, b, c]))
+    p = await proxy(replicas([a, b, c]))
     results = await asyncio.gather(*(post(http, p.url, completion()) for _ in range(30)))
     assert all(code == 200 for code, _ in results)
     assert len(b.received) == 0
@@ -51,7 +51,7 @@ async def test_weights_hold_under_concurrency(fakes, proxy, http) -> None:
 
 async def test_rank_turning_unhealthy_is_avoided_within_one_poll(fakes, proxy, http) -> None:
     a, b = await fakes(name="a"), await fakes(name="b")
-    p = await proxy(settings_for([a, b]))
+    p = await proxy(replicas([a, b]))
     table = p.app[TABLE]
     b.fault()
     # One interval plus the poll's own round trip.
@@ -95,7 +95,7 @@ async def test_queued_request_is_served_when_a_rank_recovers(fakes, proxy, http)
 
 async def test_reset_before_first_byte_retries_on_another_rank(fakes, proxy, http) -> None:
     bad, good = await fakes(name="bad", mode="reset"), await fakes(name="good")
-    p = await proxy(settings_for([bad, good], weights=[100, 1]))
+    p = await proxy(replicas([bad, good], weights=[100, 1]))
     code, body = await post(http, p.url, completion())
     assert code == 200 and "choices" in body
     assert len(bad.received) == 1 and len(good.received) == 1
@@ -176,7 +176,7 @@ async def test_bad_input_gets_openai_errors_and_harms_no_one(fakes, proxy, http)
 
 async def test_models_with_one_rank_down(fakes, proxy, http) -> None:
     a, b = await fakes(name="a"), await fakes(name="b")
-    p = await proxy(settings_for([a, b]))
+    p = await proxy(replicas([a, b]))
     await b.stop()
     for _ in range(5):
         async with http.get(p.url + "/v1/models") as r:
@@ -203,7 +203,7 @@ async def test_rank_without_ft_endpoint_falls_back_to_health(fakes, proxy, http)
 
 async def test_metrics_expose_requests_latency_and_status(fakes, proxy, http) -> None:
     a, b = await fakes(name="a"), await fakes(name="b", status="unhealthy")
-    p = await proxy(settings_for([a, b]))
+    p = await proxy(replicas([a, b]))
     await post(http, p.url, completion())
     text = await (await http.get(p.url + "/metrics")).text()
     assert 'ftproxy_requests_total{code="200",rank="a"} 1.0' in text

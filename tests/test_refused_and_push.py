@@ -23,9 +23,9 @@ from tests.conftest import free_port
 async def test_refused_connection_fails_over_and_marks_rank(fakes) -> None:
     good = await fakes(name="good")
     dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens here
-    settings = Settings(groups=[{"name": "g", "ranks": [
-        {"name": "dead", "url": dead_url, "weight": 100},
-        {"name": "good", "url": good.url, "weight": 1}]}])  # fmt: skip
+    settings = Settings(groups=[  # two replicas: one refusing leaves the other routable
+        {"name": "g0", "ranks": [{"name": "dead", "url": dead_url, "weight": 100}]},
+        {"name": "g1", "ranks": [{"name": "good", "url": good.url, "weight": 1}]}])  # fmt: skip
     table = RankTable(settings.groups)
     for r in table:  # both look healthy: the poll has not noticed yet
         table.observe(r.name, time.time(), "poll", reachable=True, status=HEALTHY)

@@ -11,9 +11,12 @@ from proxy.ranks import HEALTHY, RankTable
 from proxy.settings import GroupConfig, RankConfig
 
 
-def table(weights: dict[str, int]) -> RankTable:
+def table(weights: dict[str, int], one_group: bool = False) -> RankTable:
+    """Healthy ranks, each its own group (replicas) unless ``one_group``."""
     ranks = [RankConfig(name=n, url=f"http://h/{n}", weight=w) for n, w in weights.items()]
-    t = RankTable([GroupConfig(name="g", ranks=ranks)])
+    groups = [GroupConfig(name="g", ranks=ranks)] if one_group else [
+        GroupConfig(name=f"g-{r.name}", ranks=[r]) for r in ranks]  # fmt: skip
+    t = RankTable(groups)
     for r in t:
         t.observe(r.name, 1.0, "poll", reachable=True, status=HEALTHY)
     return t
@@ -76,3 +79,35 @@ async def test_wait_for_wakes_on_change() -> None:
     t.observe("a", 3.0, "poll", reachable=True, status=HEALTHY)
     assert await asyncio.wait_for(waiter, 1.0)
     assert not await t.wait_for(lambda: False, 0.05)
+
+
+def test_a_faulted_member_makes_its_whole_group_unroutable() -> None:
+    t = table({"a": 1, "b": 1}, one_group=True)
+    assert t.ranks["a"].routable and t.ranks["b"].routable
+    # b faults; a still says healthy (its collective has not timed out yet).
+    t.observe("b", 2.0, "poll", reachable=True, status="unhealthy")
+    a = t.ranks["a"]
+    assert a.status == HEALTHY and not a.routable
+    assert a.unroutable_reason == "rank b of its group is unhealthy"
+    assert a.snapshot()["unroutable_reason"] == a.unroutable_reason
+    assert SmoothWeightedBalancer().pick(t) is None
+    t.observe("b", 3.0, "poll", reachable=True, status=HEALTHY)
+    assert a.routable and a.snapshot()["unroutable_reason"] is None
+    # A member that cannot be reached (or whose feed fell silent) counts too.
+    t.observe("b", 4.0, "push", reachable=False, reason="status feed silent for 6.0s")
+    assert not a.routable and "unreachable (status feed silent" in str(a.unroutable_reason)
+
+
+def test_a_rank_that_left_its_group_no_longer_blocks_it() -> None:
+    t = table({"a": 1, "b": 1}, one_group=True)
+    t.observe("b", 2.0, "poll", reachable=False, reason="connection refused")
+    assert not t.ranks["a"].routable
+    t.ranks["b"].removed, t.ranks["b"].weight = True, 0  # what scale_down does
+    t.notify()
+    assert t.ranks["a"].routable and t.ranks["b"].unroutable_reason == "drained (weight 0)"
+
+
+def test_other_groups_keep_serving() -> None:
+    t = table({"a": 1, "b": 1, "c": 1}, one_group=False)
+    t.observe("b", 2.0, "poll", reachable=True, status="unhealthy")
+    assert t.ranks["a"].routable and t.ranks["c"].routable

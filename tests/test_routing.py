@@ -1,0 +1,59 @@
+"""Routing truth: new requests go only where they will be served."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from proxy.admin_cli import rank_table
+from proxy.settings import Settings
+from proxy.state import TABLE
+from tests.conftest import FAST_POLL_S
+
+TOKEN = "s3cret-admin"
+
+
+def two_groups(a: list[Any], b: list[Any], **extra: Any) -> Settings:
+    def ranks(fakes: list[Any]) -> list[dict[str, Any]]:
+        return [{"name": r.name, "url": r.url} for r in fakes]
+
+    return Settings(
+        listen={"host": "127.0.0.1", "port": 0},
+        groups=[{"name": "dp-a", "ranks": ranks(a)}, {"name": "dp-b", "ranks": ranks(b)}],
+        timeouts={"poll_interval_s": FAST_POLL_S, "queue_s": 2.0},
+        admin={"token": TOKEN},
+        **extra,
+    )
+
+
+async def test_no_new_request_enters_a_group_with_a_faulted_member(fakes, proxy, http) -> None:
+    # a0 still says healthy, as a DP peer does until its collective times out;
+    # it would hang every request sent to it.
+    a0, a1 = await fakes(name="a0"), await fakes(name="a1", status="unhealthy")
+    b0 = await fakes(name="b0")
+    p = await proxy(two_groups([a0, a1], [b0]))
+    body = {"model": "fake-model", "prompt": "x", "max_tokens": 2}
+
+    async def post() -> int:
+        async with http.post(p.url + "/v1/completions", json=body) as r:
+            return r.status
+
+    assert await asyncio.gather(*(post() for _ in range(20))) == [200] * 20
+    assert (len(a0.received), len(a1.received), len(b0.received)) == (0, 0, 20)
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with http.get(p.url + "/admin/ranks", headers=auth) as r:
+        ranks = {x["name"]: x for x in (await r.json())["ranks"]}
+    assert ranks["a0"]["status"] == "healthy" and not ranks["a0"]["routable"]
+    assert ranks["a0"]["unroutable_reason"] == "rank a1 of its group is unhealthy"
+    assert ranks["b0"]["routable"] and ranks["b0"]["unroutable_reason"] is None
+    # `ft-proxy status` says why a healthy-looking rank takes no work.
+    rows = rank_table(list(ranks.values())).columns[-1]._cells
+    assert "rank a1 of its group is unhealthy" in rows
+
+    # The group recovers as a whole: a0 takes work again.
+    table = p.app[TABLE]
+    a1.recover()
+    assert await table.wait_for(lambda: table.ranks["a0"].routable, 1.0)
+    await asyncio.gather(*(post() for _ in range(9)))
+    assert len(a0.received) + len(a1.received) == 6 and len(b0.received) == 23
