@@ -14,7 +14,7 @@ from proxy import accesslog, logs
 from proxy.accesslog import AccessLog, AccessRecord, End
 from proxy.server import Running
 from proxy.state import ACCESS_LOG, METRICS
-from tests.conftest import settings_for
+from tests.conftest import replicas, settings_for
 
 HOLD = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0}
 JSON_LOGS = {"access_log": True, "format": "json"}
@@ -40,7 +40,7 @@ async def lines(out: io.StringIO, n: int) -> list[dict[str, Any]]:
 async def test_four_requests_four_lines(fakes, proxy, http) -> None:
     a = await fakes(name="a", token_delay_s=0.002, fault_after=10, auto_recover_s=60)
     b = await fakes(name="b", token_delay_s=0.002)
-    p = await proxy(settings_for([a, b], weights=[100, 1], hold=HOLD, logging=JSON_LOGS))
+    p = await proxy(replicas([a, b], weights=[100, 1], hold=HOLD, logging=JSON_LOGS))
     out = capture(p)
     headers = {"Authorization": "Bearer not-logged", "X-Request-Id": "held-1"}
     body = {"model": "fake-model", "prompt": "hello", "max_tokens": 30, "stream": True}
@@ -69,7 +69,7 @@ async def test_four_requests_four_lines(fakes, proxy, http) -> None:
     assert all(list(line) == keys for line in (whole_line, bad, left))  # stable keys
     assert held["request_id"] == "held-1" and held["logger"] == "ftproxy.access"
     assert held["status"] == 200 and held["end"] == End.FINISHED
-    assert held["ranks"] == ["a", "b"] and held["group"] == "dp-a"
+    assert held["ranks"] == ["a", "b"] and held["group"] == "g-b"  # where it ended
     assert held["holds"] == 1 and held["continuations"] == 1 and held["hold_s"] >= 0
     assert held["completion_tokens"] == 30 and held["prompt_tokens"] == 5
     assert held["model"] == "fake-model" and held["method"] == "POST"
