@@ -7,7 +7,6 @@ the config (or ``FTPROXY_ADMIN__TOKEN``) the admin plane is off, not open.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -16,11 +15,15 @@ from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
+from proxy.fields import parse_object
+from proxy.inbound import read_body
 from proxy.recovery import RECOVERED, RoundReport, RoundSpec
 from proxy.settings import ConfigError, load_settings
 from proxy.state import CONFIG_PATH, RECOVERY, SETTINGS, TABLE
 
 log = logging.getLogger("ftproxy.admin")
+
+ADMIN_MAX_BODY = 64 * 1024  # admin bodies are a few fields
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -59,9 +62,11 @@ async def admin_auth(request: web.Request, handler: Handler) -> web.StreamRespon
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
+    raw = await read_body(request, ADMIN_MAX_BODY)
+    parsed = parse_object(raw) if raw.strip() else {}
     try:
-        return model.model_validate(json.loads(await request.read() or b"{}"))
-    except (ValueError, ValidationError) as e:
+        return model.model_validate(parsed)
+    except ValidationError as e:
         raise BadRequest(f"invalid body: {e}") from None
 
 

@@ -16,6 +16,7 @@ from proxy import accesslog, admin, drain, generation, models
 from proxy.accesslog import AccessLog, AccessRecord, End
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError, error_response
 from proxy.feed import Poller, PushFeed
+from proxy.fields import check_fields
 from proxy.inbound import check_api_key, read_body, read_json
 from proxy.metrics import Metrics
 from proxy.ranks import RankTable
@@ -89,6 +90,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         log.info("[%s] %s %s -> %d %s", request_id, request.method, request.path,
                  err.status, err.message)  # fmt: skip
         resp = _refusal(request, err)
+        if err.close_connection:
+            resp.force_close()
     except web.HTTPNotFound:
         resp = _refusal(request, NotFound(f"no route for {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed as e:
@@ -125,6 +128,8 @@ async def proxy_v1(request: web.Request) -> web.StreamResponse:
     path = resource.canonical
     out = Outbound(request.method, path, headers, body, request_id)
     kind = generation.KINDS.get(path)
+    if kind is not None:
+        check_fields(kind, parsed)
     if kind is not None and request.method == "POST":
         return await generation.forward(request.app[RELAY], request, out, kind, parsed)
     return await request.app[RELAY].forward(request, out)

@@ -27,6 +27,8 @@ class ProxyError(Exception):
     status = 500
     type = "server_error"
     code = "internal_error"
+    # The connection cannot carry another request (its body was not read to the end).
+    close_connection = False
     # Extra fields of the error object, beside message/type/param/code.
     extra: dict[str, Any] = {}  # noqa: RUF012 - read-only default
 

@@ -7,41 +7,56 @@ into an OpenAI-shaped answer for this request alone.
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import SecretStr
 
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized
+from proxy.fields import parse_object
 
 
 class UnsupportedMediaType(ProxyError):
     status, type, code = 415, "invalid_request_error", "unsupported_media_type"
 
 
+class BodyUnreadable(BadRequest):
+    close_connection = True
+
+
+# aiohttp's parser decodes these (within client_max_size, counted decoded);
+# the body is forwarded decoded, without its Content-Encoding.
+_DECODED = frozenset({"gzip", "deflate", "identity", ""})
+
+
+def _too_large(max_bytes: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (decoded)")
+
+
 async def read_body(request: web.Request, max_bytes: int) -> bytes:
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in _DECODED:
+        raise UnsupportedMediaType(
+            f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none"
+        )
     if request.content_length is not None and request.content_length > max_bytes:
-        raise PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes")
+        raise _too_large(max_bytes)
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes") from None
+        raise _too_large(max_bytes) from None
+    except RequestPayloadError:  # e.g. a gzip body that is not gzip
+        raise BodyUnreadable("request body cannot be read or decoded (Content-Encoding?)") from None
 
 
 async def read_json(request: web.Request, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
-    """The raw body and its parsed JSON object."""
+    """The raw (decoded) body and its parsed JSON object."""
     if request.content_type != "application/json":
         got = request.headers.get("Content-Type", "none")
         raise UnsupportedMediaType(f"Content-Type must be application/json, got {got}")
     raw = await read_body(request, max_bytes)
-    try:
-        parsed = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
-    if not isinstance(parsed, dict):
-        raise BadRequest("request body must be a JSON object")
-    return raw, parsed
+    return raw, parse_object(raw)
 
 
 def check_api_key(request: web.Request, keys: list[SecretStr]) -> None:

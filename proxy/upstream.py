@@ -39,7 +39,8 @@ def request_headers(
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in incoming.items():
         lk = k.lower()
-        if lk in _HOP_BY_HOP or (strip_auth and lk == "authorization"):
+        # The body goes on decoded (proxy.inbound), so its encoding header does not.
+        if lk in _HOP_BY_HOP or lk == "content-encoding" or (strip_auth and lk == "authorization"):
             continue
         out.add(k, v)
     out["X-Request-Id"] = request_id
