@@ -87,7 +87,7 @@ async def test_four_requests_four_lines(fakes, proxy, http) -> None:
     assert left["completion_tokens"] is not None and left["completion_tokens"] < 500
 
     metrics = p.app[METRICS]
-    assert metrics.refusals.labels("bad_request")._value.get() == 1
+    assert metrics.refusals.labels("invalid_json")._value.get() == 1
     assert metrics.client_disconnects._value.get() == 1
     assert metrics.continuations._sum.get() == 1
 
