@@ -24,6 +24,25 @@ from typing import Any
 from aiohttp import web
 
 VOCAB = 300
+MAX_MODEL_LEN = 512  # the rig's --max-model-len: chat's default max_tokens is what is left
+_FALSE = {"0", "off", "f", "false", "n", "no"}
+
+
+def as_bool(value: Any) -> bool:
+    """A boolean field read as vLLM's pydantic models read it: ``"false"`` is False."""
+    if isinstance(value, str):
+        return value.strip().lower() not in _FALSE and value.strip() != ""
+    return bool(value)
+
+
+def default_max_tokens(body: dict[str, Any], prompt: list[int], chat: bool) -> int:
+    """vLLM's default when ``max_tokens`` is missing or null: 16 for completions,
+    the rest of the context for chat."""
+    given = body.get("max_completion_tokens") if chat else None
+    given = body.get("max_tokens") if given is None else given
+    if given is not None:
+        return int(given)
+    return MAX_MODEL_LEN - len(prompt) if chat else 16
 
 
 def next_token(context: list[int]) -> int:
@@ -111,7 +130,8 @@ class FakeRank:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
-        for path in ("/v1/embeddings", "/v1/score", "/v1/rerank", "/tokenize", "/detokenize"):
+        app.router.add_post("/detokenize", self._detokenize)  # answers as vLLM does
+        for path in ("/v1/embeddings", "/v1/score", "/v1/rerank", "/tokenize"):
             app.router.add_post(path, self._echo)
         # Any other path answers 200 as a permissive server might, so a leak is seen.
         app.router.add_route("*", "/{tail:.*}", self._echo)
@@ -172,6 +192,10 @@ class FakeRank:
             {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
         )
 
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"prompt": detok(list(body["tokens"]))})
+
     # -- generation --------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -218,24 +242,31 @@ class FakeRank:
                 asyncio.get_running_loop().call_later(self.auto_recover_s, self.recover)
 
     async def _whole(self, body: dict[str, Any], prompt: list[int], chat: bool) -> web.Response:
-        n = int(body.get("max_tokens") or 16)
+        n = default_max_tokens(body, prompt, chat)
         out: list[int] = []
-        finish = "length"
-        for tok in self._tokens(prompt, n):
+        finish: str | None = "length"
+        s = _Stream(rid="", chat=chat, body=body)
+        text, stop = "", None
+        for i, tok in enumerate(self._tokens(prompt, n)):
             if self._faulted.is_set():
                 finish = "abort"
+                text += s.held
                 break
             out.append(tok)
+            piece, finish, stop = s.add(detok([tok]), last=i == n - 1)
+            text += piece
             self._tick()
+            if finish == "stop":
+                break
             await asyncio.sleep(self.token_delay_s)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": stop}
         if chat:
-            choice["message"] = {"role": "assistant", "content": detok(out)}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = detok(out)
-        if body.get("return_token_ids"):
-            choice["token_ids"] = out
-            choice["prompt_token_ids"] = prompt
+            choice["text"] = text
+        # vLLM's response models always carry both fields (null unless asked).
+        choice["token_ids"] = out if s.want_ids else None
+        choice["prompt_token_ids"] = prompt if s.want_ids else None
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex[:8]}",
             "object": "chat.completion" if chat else "text_completion",
@@ -256,7 +287,7 @@ class FakeRank:
             role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             await resp.write(_sse(role))
         ctx = list(prompt)
-        n = int(body.get("max_tokens") or 16)
+        n = default_max_tokens(body, prompt, chat)
         for i in range(n):
             if self._faulted.is_set() and self.resume:
                 await self._healthy.wait()  # paused, then the same request goes on
@@ -315,7 +346,7 @@ class _Stream:
 
     @property
     def want_ids(self) -> bool:
-        return bool(self.body.get("return_token_ids"))
+        return as_bool(self.body.get("return_token_ids"))
 
     @property
     def stops(self) -> list[str]:
