@@ -14,7 +14,13 @@ from aiohttp import web
 
 from proxy import accesslog, admin, drain, generation, models
 from proxy.accesslog import AccessLog, AccessRecord, End
-from proxy.errors import MethodNotAllowed, NotFound, ProxyError, error_response
+from proxy.errors import (
+    HttpStatusError,
+    MethodNotAllowed,
+    NotFound,
+    ProxyError,
+    error_response,
+)
 from proxy.feed import Poller, PushFeed
 from proxy.fields import check_fields
 from proxy.inbound import check_api_key, read_body, read_json
@@ -38,6 +44,9 @@ from proxy.target import parse_forward, target_guard
 from proxy.upstream import make_session, request_headers
 
 log = logging.getLogger("ftproxy.app")
+
+# The response a handler has begun to send, if any (set when it is prepared).
+PREPARED = web.RequestKey("prepared", web.StreamResponse)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -98,9 +107,29 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         allowed = ", ".join(sorted(e.allowed_methods))
         message = f"{request.method} is not allowed here; allowed: {allowed}"
         resp = _refusal(request, MethodNotAllowed(message, {"Allow": allowed}))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise  # a redirect or the like is an answer, not an error
+        resp = _refusal(request, HttpStatusError(e.status, e.reason))
+    except ConnectionResetError:
+        raise  # the client left: nothing to answer (counted by the access middleware)
+    except Exception:
+        # A bug of ours: never a text/plain 500, never a traceback to the client.
+        log.exception("[%s] %s %s -> 500 internal error", request_id, request.method,
+                      request.path)  # fmt: skip
+        request.app[METRICS].internal_errors.inc()
+        if PREPARED in request:  # the answer has begun: cut it so the client sees it
+            if request.transport is not None:
+                request.transport.abort()
+            return request[PREPARED]
+        resp = error_response(ProxyError("internal error; see the proxy log for this request id"))
     if not resp.prepared:
         resp.headers["X-Request-Id"] = request_id
     return resp
+
+
+async def _mark_prepared(request: web.Request, response: web.StreamResponse) -> None:
+    request[PREPARED] = response
 
 
 def _refusal(request: web.Request, err: ProxyError) -> web.Response:
@@ -206,6 +235,7 @@ def build_app(settings: Settings, config_path: Path | None = None) -> web.Applic
     )
     drain.install(app, draining)
     app[SETTINGS] = settings
+    app.on_response_prepare.append(_mark_prepared)
     app[ACCESS_LOG] = AccessLog(settings.logging.format) if settings.logging.access_log else None
     if config_path is not None:
         app[CONFIG_PATH] = config_path

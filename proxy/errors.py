@@ -61,6 +61,18 @@ class MethodNotAllowed(ProxyError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
+class HttpStatusError(ProxyError):
+    """An HTTP error aiohttp raised itself, in the OpenAI shape."""
+
+    type, code = "invalid_request_error", "http_error"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        if status >= 500:
+            self.type, self.code = "server_error", "internal_error"
+
+
 class NoHealthyRank(ProxyError):
     status, type, code = 503, "server_error", "no_healthy_rank"
 

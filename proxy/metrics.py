@@ -115,6 +115,10 @@ class Metrics:
         self.client_disconnects = Counter(
             "ftproxy_client_disconnects", "Clients that left before their answer ended", registry=r
         )
+        self.internal_errors = Counter(
+            "ftproxy_internal_errors", "Requests answered 500 because of a bug in the proxy",
+            registry=r,
+        )  # fmt: skip
         r.register(_RankStatusCollector(table))
 
     def render(self) -> bytes:

@@ -14,6 +14,7 @@ from proxy.admin import reload_config
 from proxy.app import build_app
 from proxy.drain import DRAIN, Drain, graceful_stop
 from proxy.errors import ProxyError
+from proxy.listener import Runner
 from proxy.settings import Settings
 from proxy.state import SETTINGS
 
@@ -54,7 +55,7 @@ async def start(settings: Settings, config_path: Path | None = None) -> Running:
     app = build_app(settings, config_path)
     # handler_cancellation: a client that disconnects cancels its handler,
     # which closes the upstream request at once.
-    runner = web.AppRunner(
+    runner = Runner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
     )
     await runner.setup()
