@@ -166,7 +166,8 @@ async def proxy_v1(request: web.Request) -> web.StreamResponse:
 
 async def list_models(request: web.Request) -> web.Response:
     check_api_key(request, request.app[SETTINGS].api_keys)
-    timeout = request.app[SETTINGS].timeouts.poll_timeout_s
+    # A model list is not a liveness probe: allow more than a status poll.
+    timeout = max(1.0, request.app[SETTINGS].timeouts.poll_timeout_s)
     merged = await models.gather(request.app[SESSION], request.app[TABLE], timeout)
     return web.json_response(merged)
 

@@ -83,12 +83,14 @@ class Poller:
             await asyncio.sleep(self.t.poll_interval_s)
 
     async def poll_once(self, rank: Rank) -> None:
-        sent_at = time.time()  # the answer is at least as fresh as this
+        sent_at = time.monotonic()  # an answer is at least as fresh as this
         try:
             status, detail = await self._read_status(rank)
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            # A failure is known only now: stamped now, so it outranks every
+            # answer before it and holds until a newer poll succeeds.
             reason = f"poll failed: {type(e).__name__}"
-            self.table.observe(rank.name, sent_at, "poll", reachable=False, reason=reason)
+            self.table.observe(rank.name, None, "poll", reachable=False, reason=reason)
             return
         self.table.observe(rank.name, sent_at, "poll", reachable=True, status=status, detail=detail)
 
@@ -145,16 +147,19 @@ class PushFeed:
         status, detail = summarize(msg)
         now = time.time()
         rank.pushed_at = now
-        if msg.get("kind") == "status" and status != rank.status:
+        ts = msg.get("ts")
+        if msg.get("kind") == "status" and status != rank.status and isinstance(ts, int | float):
             # Same clock when publisher and proxy share a host; else indicative.
-            rank.push_delay_s = now - float(msg.get("ts", now))
+            rank.push_delay_s = now - float(ts)
             self.metrics.push_delay.observe(max(rank.push_delay_s, 0.0))
         # Observation time is our receive time: the publisher's clock may
         # differ, and a push is never older than the poll answer before it.
-        self.table.observe(name, now, "push", reachable=True, status=status, detail=detail)
+        self.table.observe(name, None, "push", reachable=True, status=status, detail=detail)
 
     def _silent(self, name: str, silence_s: float) -> None:
         rank = self.table.ranks.get(name)
-        if rank is not None and rank.source != "poll" and rank.reachable:
+        # Silence counts whatever the polls say: a publisher that stops may be
+        # the first sign of a hung engine.
+        if rank is not None and rank.feed_ok:
             reason = f"status feed silent for {silence_s:.1f}s"
-            self.table.observe(name, time.time(), "push", reachable=False, reason=reason)
+            self.table.observe(name, None, "push", reachable=False, reason=reason)

@@ -188,7 +188,7 @@ class HeldStream:
         poll or push says otherwise (the table may not know yet)."""
         if self.rank is not None:
             self.relay.table.observe(
-                self.rank.name, time.time(), "relay", reachable=True, status=UNHEALTHY,
+                self.rank.name, None, "relay", reachable=True, status=UNHEALTHY,
                 detail={"status": UNHEALTHY, "fault_info": "stream aborted"},
             )  # fmt: skip
 

@@ -2,9 +2,16 @@
 
 Writers: the status poller, the push feed, the data plane's passive signals
 (connection refused) and, later, the admin plane. Readers: the balancer, the
-relay, ``/health``, ``/metrics``. Status updates carry the wall-clock time of
-the observation and the newest observation wins, so a slow poll answer never
-overwrites a fresher push. Waiters are woken on every change,
+relay, ``/health``, ``/metrics``. Every observation carries the time it was
+made on the proxy's monotonic clock and the newest wins, so a slow poll answer
+never overwrites a fresher push.
+
+Reachability has two parts. HTTP (polls and the relay): a poll that fails or
+times out, or a request that cannot connect, makes the rank unreachable until
+a newer HTTP success; a push cannot undo it, because the status feed comes
+from the engine and proves nothing about a hung API server. The feed (ranks
+with a ``status_feed``): a silent feed makes the rank unreachable until the
+next message. Waiters are woken on every change,
 including a change of the rank's status entry alone.
 
 Routability is decided per DP group, not per rank: the ranks of a group step
@@ -46,8 +53,14 @@ class Rank:
     reachable: bool = False
     reason: str = "not polled yet"
     source: str = ""
-    observed_at: float = 0.0  # wall clock of the observation behind `status`
-    last_heard: float = 0.0  # wall clock of the last message or answer
+    observed_at: float = 0.0  # monotonic time of the observation behind `status`
+    last_heard: float = 0.0  # wall clock of the last message or answer (for people)
+    # The two halves of `reachable` (see the module doc), with their times.
+    http_ok: bool = False
+    http_at: float = 0.0
+    http_reason: str = "not polled yet"
+    feed_ok: bool = True
+    feed_reason: str = ""
     in_flight: int = 0
     # Which feed changed `status` last, and when (our wall clock).
     changed_by: str = ""
@@ -144,7 +157,7 @@ class RankTable:
     def observe(
         self,
         name: str,
-        observed_at: float,
+        observed_at: float | None,
         source: str,
         *,
         reachable: bool,
@@ -152,27 +165,42 @@ class RankTable:
         detail: dict[str, Any] | None = None,
         reason: str = "",
     ) -> bool:
-        """Record an observation of a rank; returns False when it is stale."""
+        """Record an observation of a rank; returns False when it is stale.
+
+        ``observed_at`` is on :func:`time.monotonic` (None: now). ``source``
+        ``push`` is the status feed; any other source is an HTTP answer."""
         rank = self.ranks.get(name)
-        if rank is None or observed_at < rank.observed_at:
+        at = time.monotonic() if observed_at is None else observed_at
+        if rank is None:
             return False
         # The whole entry counts: an ``ft_error`` (and its
         # ``last_ft_request_id``) arrives while the status stays unhealthy,
         # and a recovery round waiting on it must hear of it at once.
         before = (rank.status, rank.reachable, rank.detail)
-        rank.observed_at = observed_at
-        rank.last_heard = max(rank.last_heard, observed_at) if reachable else rank.last_heard
-        rank.reachable, rank.reason, rank.source = reachable, reason, source
-        if status is not None:
+        applied = status_applied = False
+        if source == "push":
+            rank.feed_ok, rank.feed_reason, applied = reachable, reason, True
+        elif at >= rank.http_at:
+            rank.http_ok, rank.http_at, rank.http_reason = reachable, at, reason
+            applied = True
+        rank.reachable = rank.http_ok and rank.feed_ok
+        rank.reason = rank.http_reason if not rank.http_ok else rank.feed_reason
+        if reachable:
+            rank.last_heard = time.time()
+        if status is not None and at >= rank.observed_at:
+            rank.observed_at, applied = at, True
+            status_applied = True
             if status != rank.status:
                 rank.changed_by, rank.changed_at = source, time.time()
             rank.status = status
             rank.detail = detail or {}
             fault = rank.detail.get("fault_info")
             rank.fault_info = str(fault) if fault is not None else None
+        if applied:
+            rank.source = source
         if (rank.status, rank.reachable, rank.detail) != before:
             self.notify()
-        return True
+        return status_applied if status is not None else applied
 
     def notify(self) -> None:
         self._judge_groups()

@@ -118,7 +118,7 @@ class Relay:
             self.metrics.upstream_errors.labels(rank.name, "connect").inc()
             # Passive signal: stop routing here until a poll or push says otherwise.
             self.table.observe(
-                rank.name, time.time(), "relay", reachable=False, reason=f"request failed: {e}"
+                rank.name, None, "relay", reachable=False, reason=f"request failed: {e}"
             )
             log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
             return None

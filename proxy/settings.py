@@ -74,7 +74,9 @@ class Admin(BaseModel):
 
 class Timeouts(BaseModel):
     poll_interval_s: float = Field(0.25, gt=0, le=0.5)
-    poll_timeout_s: float = Field(1.0, gt=0)
+    # A poll that takes longer fails and makes the rank unreachable: a hung API
+    # server is noticed within poll_interval_s + poll_timeout_s.
+    poll_timeout_s: float = Field(0.25, gt=0, le=5)
     connect_s: float = Field(2.0, gt=0)
     # How long a new request waits for a healthy rank before 503.
     queue_s: float = Field(30.0, ge=0)

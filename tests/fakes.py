@@ -97,6 +97,7 @@ class FakeRank:
     _healthy: asyncio.Event = field(default_factory=asyncio.Event)
     _faulted: asyncio.Event = field(default_factory=asyncio.Event)
     recovered: asyncio.Event = field(default_factory=asyncio.Event)  # set by recover()
+    _thawed: asyncio.Event = field(default_factory=asyncio.Event)
     ft_error: str | None = None
     streamed: int = 0
     # Every request that reached this rank: (method, raw target, X-Request-Id or None).
@@ -113,6 +114,13 @@ class FakeRank:
         self._healthy.clear()
         self._faulted.set()
 
+    def freeze(self) -> None:
+        """Like SIGSTOP on the API server: every HTTP call hangs until thaw()."""
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        self._thawed.set()
+
     def recover(self) -> None:
         self.status = "healthy"
         self.ft_error = None
@@ -123,7 +131,8 @@ class FakeRank:
     async def start(self, port: int = 0) -> FakeRank:
         if self.status == "healthy":
             self._healthy.set()
-        app = web.Application(middlewares=[self._record])
+        self._thawed.set()
+        app = web.Application(middlewares=[self._frozen, self._record])
         app.router.add_get("/fault_tolerance/status", self._status)
         app.router.add_post("/fault_tolerance/apply", self._apply)
         app.router.add_get("/health", self._health)
@@ -156,6 +165,11 @@ class FakeRank:
     async def _echo(self, request: web.Request) -> web.Response:
         body = await request.read()
         return web.json_response({"path": request.raw_path, "bytes": len(body)})
+
+    @web.middleware
+    async def _frozen(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        await self._thawed.wait()
+        return await handler(request)  # type: ignore[no-any-return]
 
     # -- FT surface --------------------------------------------------------
     async def _status(self, request: web.Request) -> web.Response:

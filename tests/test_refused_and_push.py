@@ -28,7 +28,7 @@ async def test_refused_connection_fails_over_and_marks_rank(fakes) -> None:
         {"name": "g1", "ranks": [{"name": "good", "url": good.url, "weight": 1}]}])  # fmt: skip
     table = RankTable(settings.groups)
     for r in table:  # both look healthy: the poll has not noticed yet
-        table.observe(r.name, time.time(), "poll", reachable=True, status=HEALTHY)
+        table.observe(r.name, None, "poll", reachable=True, status=HEALTHY)
     async with make_session(settings.timeouts) as session:
         relay = Relay(table, session, settings, Metrics(table))
         body = b'{"prompt": "x", "max_tokens": 2}'
@@ -64,6 +64,8 @@ async def test_push_feed_updates_table_and_notices_silence(pub) -> None:
         engines = [{"id": 0, "status": status}]
         sock.send_multipart(protocol.encode("status", "boot", seq, time.time(), engines))
 
+    # The poller reached the API server (the feed alone never proves that).
+    table.observe("r", None, "poll", reachable=True, status="unknown")
     try:
         rank = table.ranks["r"]
         # PUB drops messages until the subscriber has joined: keep sending.

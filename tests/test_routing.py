@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from proxy.admin_cli import rank_table
 from proxy.settings import Settings
 from proxy.state import TABLE
-from tests.conftest import FAST_POLL_S
+from tests.conftest import FAST_POLL_S, replicas
 
 TOKEN = "s3cret-admin"
 
@@ -57,3 +58,21 @@ async def test_no_new_request_enters_a_group_with_a_faulted_member(fakes, proxy,
     assert await table.wait_for(lambda: table.ranks["a0"].routable, 1.0)
     await asyncio.gather(*(post() for _ in range(9)))
     assert len(a0.received) + len(a1.received) == 6 and len(b0.received) == 23
+
+
+async def test_a_hung_api_server_is_not_routable_within_two_polls(fakes, proxy, http) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    interval = 0.25  # the default poll interval and timeout
+    p = await proxy(replicas([a, b], timeouts={"poll_interval_s": interval}))
+    table = p.app[TABLE]
+    a.freeze()
+    t0 = time.monotonic()
+    assert await table.wait_for(lambda: not table.ranks["a"].routable, 2 * interval + 0.1)
+    assert time.monotonic() - t0 <= 2 * interval + 0.1
+    assert "poll failed: TimeoutError" in str(table.ranks["a"].unroutable_reason)
+    for _ in range(6):
+        async with http.post(p.url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 200
+    assert len(b.received) == 6
+    a.thaw()
+    assert await table.wait_for(lambda: table.ranks["a"].routable, 2 * interval + 0.5)

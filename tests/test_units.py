@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 from proxy.balancer import SmoothWeightedBalancer
@@ -111,3 +112,25 @@ def test_other_groups_keep_serving() -> None:
     t = table({"a": 1, "b": 1, "c": 1}, one_group=False)
     t.observe("b", 2.0, "poll", reachable=True, status="unhealthy")
     assert t.ranks["a"].routable and t.ranks["c"].routable
+
+
+def test_a_failed_poll_holds_until_a_newer_http_success() -> None:
+    # The status feed comes from the engine: it keeps beating while the API
+    # server hangs, and must not make the rank reachable again.
+    t = table({"a": 1})
+    sent = time.monotonic()
+    t.observe("a", None, "poll", reachable=False, reason="poll failed: TimeoutError")
+    t.observe("a", None, "push", reachable=True, status=HEALTHY)
+    a = t.ranks["a"]
+    assert not a.routable and a.unroutable_reason == "unreachable (poll failed: TimeoutError)"
+    # An answer to a poll sent before the failure was known is older: ignored.
+    t.observe("a", sent, "poll", reachable=True, status=HEALTHY)
+    assert not a.routable
+    t.observe("a", None, "poll", reachable=True, status=HEALTHY)
+    assert a.routable
+    # A silent feed makes the rank unreachable whatever the polls say.
+    t.observe("a", None, "push", reachable=False, reason="status feed silent for 6.0s")
+    t.observe("a", None, "poll", reachable=True, status=HEALTHY)
+    assert not a.routable and "silent" in str(a.unroutable_reason)
+    t.observe("a", None, "push", reachable=True, status=HEALTHY)
+    assert a.routable
