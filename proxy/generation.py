@@ -17,7 +17,17 @@ import aiohttp
 from aiohttp import web
 
 from proxy import accesslog
-from proxy.continuation import ABORT, CHAT, COMPLETION, Book, hide_ids, refusal, text_of
+from proxy.continuation import (
+    ABORT,
+    CHAT,
+    COMPLETION,
+    Book,
+    Refusal,
+    as_bool,
+    hide_ids,
+    refusal,
+    text_of,
+)
 from proxy.errors import error_body
 from proxy.holdopen import Collector, HeldStream
 from proxy.relay import Attempt, Outbound, Relay
@@ -32,19 +42,19 @@ async def forward(
     book = Book.for_request(kind, body)
     if (rec := accesslog.current()) is not None:
         rec.tokens = partial(_tokens, book)
-    if not body.get("return_token_ids"):
+    if not as_bool(body.get("return_token_ids")):
         # The last of duplicate keys wins in JSON parsers (vLLM's included),
         # so appending is enough, and cheaper than re-serializing the body.
         raw = out.body.rstrip()
         out.body = raw[:-1] + (
             b',"return_token_ids":true}' if body else b'"return_token_ids":true}'
         )
-    respond = _stream if body.get("stream") else _whole
+    respond = _stream if as_bool(body.get("stream")) else _whole
     return await relay.forward(request, out, partial(respond, relay, out, book, refusal(body)))
 
 
 async def _stream(
-    relay: Relay, out: Outbound, book: Book, refused: str | None,
+    relay: Relay, out: Outbound, book: Book, refused: Refusal | None,
     request: web.Request, attempt: Attempt,
 ) -> web.StreamResponse:  # fmt: skip
     up = attempt.response
@@ -58,7 +68,7 @@ async def _stream(
 
 
 async def _whole(
-    relay: Relay, out: Outbound, book: Book, refused: str | None,
+    relay: Relay, out: Outbound, book: Book, refused: Refusal | None,
     request: web.Request, attempt: Attempt,
 ) -> web.StreamResponse:  # fmt: skip
     up = attempt.response
@@ -75,9 +85,8 @@ async def _whole(
         if up.status == 200 and not book.wants_ids:
             raw = hide_ids(raw)
         return web.Response(body=raw, status=up.status, headers=response_headers(up.headers))
-    answer = _json(raw) if raw is not None else None
-    if answer is not None:
-        book.take_partial(answer)
+    # The client has nothing yet: start over from the prompt (the aborted
+    # partial answer is dropped, never kept and then generated again).
     collector = Collector()
     await HeldStream(relay, out, book, refused, collector).run(None)
     return _assemble(book, collector.events)

@@ -28,7 +28,7 @@ import orjson
 
 from proxy import accesslog
 from proxy.accesslog import End
-from proxy.continuation import Book, Emit
+from proxy.continuation import Book, Emit, Refusal
 from proxy.errors import ProxyError, error_body
 from proxy.metrics import Metrics
 from proxy.ranks import UNHEALTHY, Rank, group_fault
@@ -74,7 +74,7 @@ class Collector:
 
 class HeldStream:
     def __init__(
-        self, relay: Relay, out: Outbound, book: Book, refused: str | None, sink: Sink
+        self, relay: Relay, out: Outbound, book: Book, refused: Refusal | None, sink: Sink
     ) -> None:
         self.relay, self.out, self.book, self.refused = relay, out, book, refused
         self.sink = sink
@@ -136,9 +136,6 @@ class HeldStream:
         try:
             async for chunk in attempt.response.content.iter_any():
                 self.last_event = time.monotonic()
-                if self.held_since is not None:
-                    self._unhold(self.resume_mode)
-                    self.resume_mode = "engine"
                 # One write per upstream read, however many events it held.
                 out: list[bytes] = []
                 outcome = None
@@ -146,6 +143,11 @@ class HeldStream:
                     outcome = self._on_event(data, handle, out)
                     if outcome is not None:
                         break
+                # A held stream resumes when the upstream sends on; vLLM's
+                # abort chunk is no resume: the hold goes on, one hold.
+                if self.held_since is not None and (outcome == FINISHED or (out and not outcome)):
+                    self._unhold(self.resume_mode)
+                    self.resume_mode = "engine"
                 if out:
                     await self._write(b"".join(out))
                 if outcome is not None:
@@ -198,16 +200,22 @@ class HeldStream:
 
     # -- continuation ---------------------------------------------------------
     async def _continuation(self) -> Attempt:
-        if self.refused is not None:
+        refused = self.refused or self.book.refusal_now()
+        if refused is not None:
             raise StreamFailed(
                 f"the engine aborted this request and it cannot be continued exactly "
-                f"({self.refused}); retry it", "stream_aborted")  # fmt: skip
+                f"({refused.message}); retry it", refused.code)  # fmt: skip
         if not self.book.can_continue():
             raise StreamFailed("the engine aborted this request before its prompt was known",
                                "stream_aborted")  # fmt: skip
         while (remaining := self._hold_left()) > 0:
-            path, body = self.book.continuation()
-            out = Outbound("POST", path, self.out.headers, orjson.dumps(body), self.out.request_id)
+            window = await self._context_window() if self.book.needs_context_window() else None
+            path, body = self.book.continuation(window)
+            try:
+                raw = orjson.dumps(body)
+            except orjson.JSONEncodeError as e:  # checked up front; never die silently
+                raise StreamFailed(f"the continuation cannot be sent: {e}", "unserializable") from e
+            out = Outbound("POST", path, self.out.headers, raw, self.out.request_id)
             try:
                 # A rank that faults before answering holds the request: bound it.
                 async with asyncio.timeout(remaining):
@@ -223,12 +231,32 @@ class HeldStream:
                 self.continuations += 1
                 if self.access is not None:
                     self.access.continuations += 1
-                log.info("[%s] continuing on %s after %d tokens", self.out.request_id,
-                         attempt.rank.name, len(self.book.generated))  # fmt: skip
+                kind = "restart" if self.book.prompt_ids is None else "continuation"
+                self.metrics.splices.labels(kind).inc()
+                log.info("[%s] abort + %s on %s after %d tokens (%d sent again as text only)",
+                         self.out.request_id, kind, attempt.rank.name, len(self.book.generated),
+                         len(self.book.replay))  # fmt: skip
                 return attempt
             await self._continuation_refused(attempt)
         raise StreamFailed(f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s",
                            "hold_timeout")  # fmt: skip
+
+    async def _context_window(self) -> int | None:
+        """The model's context length, from a rank's ``/v1/models``."""
+        out = Outbound("GET", "/v1/models", self.out.headers, b"", self.out.request_id)
+        try:
+            async with asyncio.timeout(max(self._hold_left(), 0.1)):
+                attempt = await self.relay.open(out, queue_s=self._hold_left())
+                try:
+                    models = orjson.loads(await attempt.response.read())
+                finally:
+                    attempt.response.release()
+        except (TimeoutError, ProxyError, aiohttp.ClientError, orjson.JSONDecodeError):
+            return None
+        for m in models.get("data") or [] if isinstance(models, dict) else []:
+            if isinstance(m, dict) and isinstance(m.get("max_model_len"), int):
+                return int(m["max_model_len"])
+        return None
 
     async def _continuation_refused(self, attempt: Attempt) -> None:
         status, text = attempt.response.status, await attempt.response.text()
@@ -265,8 +293,9 @@ class HeldStream:
             self.access.hold_s += held_s
         if mode is not None:
             self.metrics.resumes.labels(mode).inc()
-            log.info("[%s] stream resumed by the %s after %.1fs on hold (%s)",
-                     self.out.request_id, mode, held_s, self.hold_reason)  # fmt: skip
+            how = "by the engine" if mode == "engine" else "by abort + continuation"
+            log.info("[%s] stream resumed %s after %.1fs on hold (%s)",
+                     self.out.request_id, how, held_s, self.hold_reason)  # fmt: skip
 
     async def _watch(self) -> None:
         """Notice stalls and unhealthy ranks; keep a held client alive."""

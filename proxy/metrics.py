@@ -88,6 +88,10 @@ class Metrics:
             "ftproxy_stream_resumes", "Held streams that went on, by mode (engine|continuation)",
             ["mode"], registry=r,
         )  # fmt: skip
+        self.splices = Counter(
+            "ftproxy_splices", "Requests sent after an abort, by kind: continuation (prompt "
+            "plus generated ids) or restart (nothing generated yet)", ["kind"], registry=r,
+        )  # fmt: skip
         self.continuation_failures = Counter(
             "ftproxy_continuation_failures", "Continuation requests a rank refused", registry=r
         )

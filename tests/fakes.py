@@ -81,6 +81,9 @@ class FakeRank:
     fault_after: int | None = None
     # ... and recover on its own this long after (None: stay faulted).
     auto_recover_s: float | None = None
+    # vLLM's abort chunk carries the ids generated since the last chunk: put
+    # the token of the faulting step there instead of in a chunk of its own.
+    abort_carries_token: bool = False
     # Drop the connection after the final token, before [DONE].
     drop_before_done: bool = False
     # False: keep reporting healthy while faulted (a DP peer inside its timeout).
@@ -203,7 +206,10 @@ class FakeRank:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+            {
+                "object": "list",
+                "data": [{"id": "fake-model", "object": "model", "max_model_len": MAX_MODEL_LEN}],
+            }
         )
 
     async def _detokenize(self, request: web.Request) -> web.Response:
@@ -234,7 +240,7 @@ class FakeRank:
                                      status=500)  # fmt: skip
         await self._healthy.wait()  # a faulted engine holds new requests
         try:
-            if body.get("stream"):
+            if as_bool(body.get("stream")):
                 return await self._stream(request, body, prompt, chat)
             return await self._whole(body, prompt, chat)
         except asyncio.CancelledError:
@@ -310,6 +316,11 @@ class FakeRank:
                 break
             tok = next_token(ctx)
             ctx.append(tok)
+            if self.abort_carries_token and self.fault_after == self.streamed + 1:
+                self._tick()  # the fault comes in this step: the abort carries it
+                text, _, _ = s.add(detok([tok]), last=False)
+                await resp.write(_sse(s.chunk(text + s.held, "abort", [tok])))
+                break
             text, finish, stop = s.add(detok([tok]), last=i == n - 1)
             chunk = s.chunk(text, finish, [tok], stop)
             if i == 0 and s.want_ids:
@@ -324,7 +335,7 @@ class FakeRank:
             assert request.transport is not None
             request.transport.abort()
             return resp
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if as_bool((body.get("stream_options") or {}).get("include_usage")):
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ctx) - len(prompt),
                      "total_tokens": len(ctx)}  # fmt: skip
             await resp.write(

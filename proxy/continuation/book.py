@@ -7,15 +7,8 @@ for are nulled, as vLLM itself sends them), and, after an abort, builds the
 continuation request and turns its ``/v1/completions`` chunks back into the
 client's chunk shape (chat stays chat) under the original ``id``.
 
-What cannot be continued exactly is refused up front by :func:`refusal`:
-
-==========================  ===========================================
-n > 1, best_of, beam search  the choices' sampling state is not visible
-logprobs / top_logprobs      cannot be rebuilt in the client's shape
-structured output            the grammar's state at the splice is lost
-tool calling                 the tool-call parser's state is lost
-echo / suffix                change what the prompt means
-==========================  ===========================================
+Which request fields a continuation carries, adjusts, drops or refuses is
+decided in :mod:`proxy.continuation.fields`.
 
 Greedy requests continue token-exact. Sampled requests continue with a fresh
 random state: same distribution, but a ``seed`` does not reproduce the tokens
@@ -39,40 +32,12 @@ from typing import Any
 
 import orjson
 
+from proxy.continuation.fields import Refusal, as_bool, as_int, carried, is_greedy
+
 log = logging.getLogger("ftproxy.continuation")
 
 CHAT = "chat"
 COMPLETION = "completion"
-
-# Sampling parameters a continuation carries over unchanged.
-_CARRY = (
-    "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-    "bad_words", "allowed_token_ids", "user", "priority", "truncate_prompt_tokens",
-)  # fmt: skip
-_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "structured_outputs", "guided_decoding_backend")  # fmt: skip
-
-
-def refusal(body: dict[str, Any]) -> str | None:
-    """Why this request cannot be continued exactly after an abort, or None."""
-    if int(body.get("n") or 1) > 1 or int(body.get("best_of") or 1) > 1:
-        return "n > 1"
-    if body.get("use_beam_search"):
-        return "beam search"
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"):
-        return "logprobs"
-    fmt = body.get("response_format")
-    if any(body.get(k) for k in _STRUCTURED) or (
-        isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
-    ):
-        return "structured output"
-    if body.get("tools") and body.get("tool_choice") != "none":
-        return "tool calling"
-    if body.get("echo") or body.get("suffix"):
-        return "echo/suffix"
-    return None
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
@@ -108,13 +73,16 @@ class Book:
     stops: list[str] = field(default_factory=list)
     clean: int = 0  # generated tokens whose text has been released
     replay: list[int] = field(default_factory=list)  # ids sent already, generated again
+    reasoning: bool = False  # a reasoning parser sent reasoning text ...
+    answering: bool = False  # ... and then answer text (the reasoning has ended)
 
     @classmethod
     def for_request(cls, kind: str, body: dict[str, Any]) -> Book:
-        opts = body.get("stream_options") or {}
+        opts = body.get("stream_options")
+        usage = isinstance(opts, dict) and as_bool(opts.get("include_usage"))
         return cls(
-            kind=kind, body=body, wants_ids=bool(body.get("return_token_ids")),
-            wants_usage=bool(opts.get("include_usage")), stops=_stops(body),
+            kind=kind, body=body, wants_ids=as_bool(body.get("return_token_ids")),
+            wants_usage=usage, stops=_stops(body),
         )  # fmt: skip
 
     # -- the original stream ------------------------------------------------
@@ -151,13 +119,20 @@ class Book:
             self.prompt_ids = list(prompt)
         choice = choices[0]
         self._count(choice.get("token_ids") or [], text_of(choice, self.kind))
+        delta = choice.get("delta") or {}
+        if delta.get("reasoning") or delta.get("reasoning_content"):
+            self.reasoning = True
+        if delta.get("content"):
+            self.answering = True
         if self.kind == CHAT and "role" in (choice.get("delta") or {}):
             if self.role_sent:  # restart: the client already has the role
                 choice["delta"].pop("role")
             self.role_sent = True
         if choice.get("finish_reason") == "abort":
-            self.pending += text_of(choice, self.kind)  # flushed stop-buffer text
-            return Emit(aborted=True)
+            # Its text is what vLLM held back for a possible stop match: it is
+            # checked with the continuation's. Its ids are the client's now.
+            self.pending += text_of(choice, self.kind)
+            return self._aborted(choice.get("token_ids") or [])
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
         return Emit([self._shown(_dumps(chunk))], finished=self.finish_reason is not None)
@@ -179,38 +154,56 @@ class Book:
         """The chunk as the client asked for it: token ids only if requested."""
         return data if self.wants_ids else hide_ids(data)
 
-    def take_partial(self, answer: dict[str, Any]) -> None:
-        """Start from a whole (non-streamed) answer that the engine aborted."""
-        choice = (answer.get("choices") or [{}])[0]
-        self.template = answer
-        prompt = answer.get("prompt_token_ids") or choice.get("prompt_token_ids")
-        self.prompt_ids = list(prompt) if prompt else None
-        self.generated = list(choice.get("token_ids") or [])
-        text = choice.get("text") if self.kind == COMPLETION else (choice.get("message") or {})
-        self.pending = str((text.get("content") if isinstance(text, dict) else text) or "")
+    def _aborted(self, ids: list[int]) -> Emit:
+        """An abort chunk: the ids it carries still reach the client."""
+        emit = Emit(aborted=True)
+        if ids and self.wants_ids:
+            emit.data.append(self._client_chunk("", ids, None, None, {}))
+        return emit
 
     # -- continuation -----------------------------------------------------------
+    def refusal_now(self) -> Refusal | None:
+        """What the stream so far rules out (the request's fields aside)."""
+        if self.reasoning and not self.answering and self.prompt_ids is not None:
+            # A continuation is a completion: the engine's reasoning parser
+            # would not see it, and reasoning would leak into the answer.
+            return Refusal("reasoning_in_progress", "the fault came while the model was reasoning")
+        return None
+
     def can_continue(self) -> bool:
         return self.prompt_ids is not None or not self.generated
 
-    def continuation(self) -> tuple[str, dict[str, Any]]:
+    def needs_context_window(self) -> bool:
+        """A chat request without a token budget: vLLM's default is the rest
+        of the context window, which the continuation must state itself."""
+        return self.kind == CHAT and self._limit() is None
+
+    def _limit(self) -> int | None:
+        for key in ("max_completion_tokens", "max_tokens"):
+            if self.body.get(key) is not None:
+                return as_int(self.body[key], 16)
+        return 16 if self.kind == COMPLETION else None  # vLLM's defaults
+
+    def continuation(self, max_model_len: int | None = None) -> tuple[str, dict[str, Any]]:
         """(path, body) of the request that continues this one."""
         self.spliced = True
         if self.prompt_ids is None:  # nothing generated: start over, exactly
             body = copy.deepcopy(self.body)
             body.update(stream=True, return_token_ids=True)
             return self._path(), body
-        if self.body.get("temperature") == 0 and self.clean < len(self.generated):
+        if is_greedy(self.body) and self.clean < len(self.generated):
             self.replay = self.generated[self.clean :] + self.replay
             del self.generated[self.clean :]
-        body = {k: self.body[k] for k in _CARRY if k in self.body}
+        body = carried(self.body)
         body.update(prompt=self.prompt_ids + self.generated, stream=True,
                     return_token_ids=True, add_special_tokens=False)  # fmt: skip
-        limit = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
+        limit = self._limit()
+        if limit is None and max_model_len is not None:
+            limit = max_model_len - len(self.prompt_ids)
         if limit is not None:
-            body["max_tokens"] = max(int(limit) - len(self.generated), 1)
-        if self.body.get("min_tokens"):
-            body["min_tokens"] = max(int(self.body["min_tokens"]) - len(self.generated), 0)
+            body["max_tokens"] = max(limit - len(self.generated), 1)
+        if self.body.get("min_tokens") is not None:
+            body["min_tokens"] = max(as_int(self.body["min_tokens"], 0) - len(self.generated), 0)
         return "/v1/completions", body
 
     def _path(self) -> str:
@@ -229,7 +222,7 @@ class Book:
         self._count(choice.get("token_ids") or [], text)
         if finish == "abort":
             self.pending += text
-            return Emit(aborted=True)
+            return self._aborted(ids)
         out, stop_hit = self._scan(text, final=finish is not None)
         if stop_hit is not None:
             finish = "stop"

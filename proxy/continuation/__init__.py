@@ -1,0 +1,14 @@
+"""Streams that outlive a fault: bookkeeping, the continuation, the splice.
+
+``fields`` decides every request field's fate in a continuation; ``book``
+records what a stream sent and builds and splices the continuation. Pure
+logic, no I/O: the hold-open machinery (:mod:`proxy.holdopen`) does that.
+"""
+
+from proxy.continuation.book import ABORT, CHAT, COMPLETION, Book, Emit, hide_ids, text_of
+from proxy.continuation.fields import Refusal, as_bool, refusal
+
+__all__ = [
+    "ABORT", "CHAT", "COMPLETION", "Book", "Emit", "Refusal", "as_bool", "hide_ids", "refusal",
+    "text_of",
+]  # fmt: skip

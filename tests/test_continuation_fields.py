@@ -1,0 +1,221 @@
+"""Every request field has a decided fate in a continuation; the reported
+cases each fail on the code before the table."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from proxy.continuation import Book, refusal
+from proxy.continuation.fields import FIELDS, as_bool, readme_matrix
+from proxy.state import METRICS
+from tests.conftest import settings_for
+from tests.fakes import MAX_MODEL_LEN, chat_prompt, detok, tokenize
+from tests.test_continuity import HOLD, completion, fault_free, finishes, read_stream, text_of
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_holds_exactly_the_table() -> None:
+    text = README.read_text()
+    start = text.index("<!-- continuation-fields -->\n") + len("<!-- continuation-fields -->\n")
+    end = text.index("<!-- /continuation-fields -->")
+    assert text[start:end] == readme_matrix()
+
+
+def test_the_table_covers_vllms_request_models() -> None:
+    # vLLM 0.32's fields, as its pydantic models list them (the engine extra
+    # may be absent: then the list below, taken from those models, stands).
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+            from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    except ImportError:  # pragma: no cover - the engine extra is not installed
+        pytest.skip("vllm not installed")
+    names = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert names == set(FIELDS)
+    for name, spec in FIELDS.items():
+        chat = name in ChatCompletionRequest.model_fields
+        comp = name in CompletionRequest.model_fields
+        assert spec.only == ("both" if chat and comp else "chat" if chat else "completions"), name
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("false", False), ("False", False), ("0", False), (0, False), (None, False),
+     ("true", True), ("1", True), (1, True), (True, True), ("yes", True)],
+)  # fmt: skip
+def test_booleans_read_as_vllm_reads_them(value: Any, expected: bool) -> None:
+    assert as_bool(value) is expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "code"),
+    [
+        ({"presence_penalty": 0.5}, "penalty_on_output"),
+        ({"frequency_penalty": "0.1"}, "penalty_on_output"),
+        ({"seed": 3}, "seed_sampled"),
+        ({"seed": 3, "temperature": 0.7}, "seed_sampled"),
+        ({"n": 2}, "n_choices"),
+        ({"logprobs": 0}, "logprobs"),
+        ({"echo": "true"}, "echo"),
+        ({"response_format": {"type": "json_object"}}, "structured_output"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"thinking_token_budget": 10}, "thinking_budget"),
+        ({"guided_json": {}}, "unknown_field"),
+        ({"best_of": 2}, "unknown_field"),
+        ({"user": "\udc80"}, "unserializable"),
+    ],
+)  # fmt: skip
+def test_refused_fields_name_their_code(extra: dict[str, Any], code: str) -> None:
+    r = refusal({"model": "m", "prompt": "x", **extra})
+    assert r is not None and r.code == code
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"presence_penalty": 0}, {"seed": 3, "temperature": 0}, {"echo": "false"}, {"n": 1},
+     {"logprobs": None}, {"response_format": {"type": "text"}}, {"cache_salt": "s"},
+     {"truncate_prompt_tokens": 4}, {"stream_options": {"include_usage": True}}],
+)  # fmt: skip
+def test_harmless_values_are_not_refused(extra: dict[str, Any]) -> None:
+    assert refusal({"model": "m", "prompt": "x", **extra}) is None
+
+
+def _book(kind: str, body: dict[str, Any], n: int) -> Book:
+    book = Book.for_request(kind, body)
+
+    def choice(text: str) -> dict[str, Any]:
+        return {"delta": {"content": text}} if kind == "chat" else {"text": text}
+
+    book.on_original({"id": "c", "created": 1, "model": "m", "choices": [
+        {"index": 0, **choice("a "), "token_ids": [1], "prompt_token_ids": [9]}]})  # fmt: skip
+    for i in range(2, n + 1):
+        book.on_original({"id": "c", "choices": [{"index": 0, **choice("b "), "token_ids": [i]}]})
+    return book
+
+
+def test_continuation_body_follows_the_table() -> None:
+    body = {"model": "m", "prompt": "x", "max_tokens": 20, "min_tokens": 8, "temperature": 0,
+            "truncate_prompt_tokens": 4, "truncation_side": "left", "cache_salt": "s",
+            "stop": ["zz"], "stream_options": {"include_usage": True}, "user": "u"}  # fmt: skip
+    path, cont = _book("completion", body, 5).continuation()
+    assert path == "/v1/completions"
+    assert cont["prompt"] == [9, 1, 2, 3, 4, 5] and cont["max_tokens"] == 15
+    assert cont["min_tokens"] == 3 and cont["add_special_tokens"] is False
+    assert cont["cache_salt"] == "s" and cont["user"] == "u" and cont["stop"] == ["zz"]
+    assert "truncate_prompt_tokens" not in cont and "truncation_side" not in cont
+    assert "stream_options" not in cont and cont["stream"] is True
+
+
+def test_chat_without_a_budget_gets_the_rest_of_the_window() -> None:
+    book = _book("chat", {"model": "m", "messages": [], "temperature": 0}, 5)
+    assert book.needs_context_window()
+    _, cont = book.continuation(max_model_len=100)
+    assert cont["max_tokens"] == 100 - 1 - 5
+    completions = _book("completion", {"model": "m", "prompt": "x", "temperature": 0}, 5)
+    assert not completions.needs_context_window()
+    assert completions.continuation()[1]["max_tokens"] == 16 - 5  # vLLM's default
+
+
+async def test_chat_without_max_tokens_is_continued_to_its_full_length(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.001, fault_after=20, auto_recover_s=0.1)
+    p = await proxy(settings_for([a], hold=HOLD))
+    msgs = [{"role": "user", "content": "hi"}]
+    body = {"model": "fake-model", "messages": msgs, "stream": True, "temperature": 0}
+    chunks, _, _ = await read_stream(http, p.url, "/v1/chat/completions", body)
+    prompt = chat_prompt(msgs)
+    assert text_of(chunks) == detok(fault_free(prompt, MAX_MODEL_LEN - len(prompt)))
+    assert finishes(chunks) == ["length"]
+
+
+def test_return_token_ids_false_string_means_no_ids() -> None:
+    # The request validation refuses a string up front; the book still reads
+    # one as vLLM would, so a "false" can never turn ids on.
+    book = Book.for_request("completion", {"prompt": "x", "return_token_ids": "false"})
+    assert not book.wants_ids
+
+
+async def test_truncate_prompt_tokens_is_not_carried(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.001, fault_after=10, auto_recover_s=0.1)
+    p = await proxy(settings_for([a], hold=HOLD))
+    body = completion(30, truncate_prompt_tokens=3, temperature=0)
+    chunks, _, _ = await read_stream(http, p.url, "/v1/completions", body)
+    assert "truncate_prompt_tokens" not in a.received[-1]
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 30))
+
+
+async def test_penalties_end_with_a_coded_error_event(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.001, fault_after=5, auto_recover_s=0.1)
+    p = await proxy(settings_for([a], hold=HOLD))
+    body = completion(30, presence_penalty=0.5, temperature=0)
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", body)
+    err = chunks[-1]["error"]
+    assert err["code"] == "penalty_on_output" and err["type"] == "server_error" and done
+    assert len(a.received) == 1  # no inexact continuation was sent
+
+
+async def test_lone_surrogate_is_refused_up_front(fakes, proxy, http) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], hold=HOLD))
+    raw = b'{"model":"fake-model","prompt":"hello","max_tokens":30,"stream":true,"user":"\\udc80"}'
+    async with http.post(p.url + "/v1/completions", data=raw,
+                         headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+        assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+    assert a.received == []
+
+
+async def test_mid_reasoning_fault_is_refused() -> None:
+    book = Book.for_request("chat", {"model": "m", "messages": [], "temperature": 0})
+    book.on_original({"id": "c", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"role": "assistant", "reasoning_content": "hmm"},
+         "token_ids": [1], "prompt_token_ids": [9]}]})  # fmt: skip
+    r = book.refusal_now()
+    assert r is not None and r.code == "reasoning_in_progress"
+    book.on_original({"id": "c", "choices": [{"index": 0, "delta": {"content": "ok"},
+                                              "token_ids": [2]}]})  # fmt: skip
+    assert book.refusal_now() is None  # the answer has started: text goes to content
+
+
+async def test_abort_chunk_ids_reach_the_client(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.001, fault_after=12, auto_recover_s=0.1,
+                    abort_carries_token=True)  # fmt: skip
+    p = await proxy(settings_for([a], hold=HOLD))
+    body = completion(30, return_token_ids=True, temperature=0)
+    chunks, _, _ = await read_stream(http, p.url, "/v1/completions", body)
+    ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert ids == fault_free(tokenize("hello"), 30)
+    assert text_of(chunks) == detok(ids)
+    metrics = p.app[METRICS]
+    assert metrics.resumes.labels("engine")._value.get() == 0
+    assert metrics.resumes.labels("continuation")._value.get() == 1
+    assert metrics.splices.labels("continuation")._value.get() == 1
+
+
+async def test_whole_greedy_answer_aborted_keeps_no_partial_text_twice(fakes, proxy) -> None:
+    a = await fakes(name="a", token_delay_s=0.001, fault_after=7, auto_recover_s=0.1)
+    p = await proxy(settings_for([a], hold=HOLD))
+    client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="x", max_retries=0)
+    async with client:
+        answer = await client.completions.create(model="fake-model", prompt="hello",
+                                                 max_tokens=30, temperature=0)  # fmt: skip
+    assert answer.choices[0].text == detok(fault_free(tokenize("hello"), 30))
+    assert p.app[METRICS].splices.labels("restart")._value.get() == 1
+
+
+async def test_a_stall_then_abort_is_one_hold_and_no_engine_resume(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.001, fault_after=10, auto_recover_s=0.4,
+                    reports_fault=False)  # fmt: skip
+    p = await proxy(settings_for([a], hold={**HOLD, "stall_s": 0.1}))
+    chunks, _, _ = await read_stream(http, p.url, "/v1/completions", completion(30, temperature=0))
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 30))
+    metrics = p.app[METRICS]
+    assert metrics.resumes.labels("engine")._value.get() == 0
+    hold_count = [s.value for m in metrics.hold_seconds.collect() for s in m.samples
+                  if s.name.endswith("_count")]  # fmt: skip
+    assert hold_count == [1]
