@@ -23,7 +23,7 @@ from proxy.errors import (
 )
 from proxy.feed import Poller, PushFeed
 from proxy.fields import check_fields
-from proxy.inbound import check_api_key, read_body, read_json
+from proxy.inbound import check_api_key, client_request_id, read_body, read_json
 from proxy.metrics import Metrics
 from proxy.ranks import RankTable
 from proxy.recovery import AutoRecovery, Recovery
@@ -55,7 +55,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost: give every request an id; write its access-log line once it ends."""
-    request_id = request.headers.get("X-Request-Id") or f"ftp-{uuid.uuid4().hex[:16]}"
+    request_id = client_request_id(request.headers) or f"ftp-{uuid.uuid4().hex[:16]}"
     request[REQUEST_ID] = request_id
     id_token = accesslog.REQUEST_ID.set(request_id)
     access = request.app[ACCESS_LOG]
@@ -179,6 +179,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    admin_cfg = request.app[SETTINGS].admin
+    token = admin_cfg.token if admin_cfg.metrics_use_admin_token else admin_cfg.metrics_token
+    if token is not None:
+        check_api_key(request, [token])
     body = request.app[METRICS].render()
     return web.Response(body=body, content_type="text/plain", charset="utf-8")
 

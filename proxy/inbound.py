@@ -7,6 +7,8 @@ into an OpenAI-shaped answer for this request alone.
 from __future__ import annotations
 
 import hmac
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -71,3 +73,13 @@ def check_api_key(request: web.Request, keys: list[SecretStr]) -> None:
         ok |= hmac.compare_digest(token.encode(), key.get_secret_value().encode())
     if not ok:
         raise Unauthorized("missing or invalid API key")
+
+
+# A client's X-Request-Id goes into logs and upstream headers: keep it short and plain.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's X-Request-Id if it is safe to reuse, else None (a fresh one is made)."""
+    given = headers.get("X-Request-Id")
+    return given if given is not None and _REQUEST_ID.fullmatch(given) else None

@@ -67,9 +67,32 @@ class GroupConfig(BaseModel):
     auto_recovery: AutoRecoveryConfig = AutoRecoveryConfig()
 
 
+def _usable_secret(v: SecretStr | None) -> SecretStr | None:
+    # An empty key would let an empty or missing Authorization header through.
+    if v is not None:
+        raw = v.get_secret_value()
+        if not raw.strip():
+            raise ValueError("must not be empty or whitespace")
+        if any(c.isspace() or not c.isprintable() for c in raw):
+            raise ValueError("must not contain whitespace or control characters")
+    return v
+
+
 class Admin(BaseModel):
     # Bearer token for /admin/*; unset: the admin plane is off (not open).
     token: SecretStr | None = None
+    # Require a bearer token for GET /metrics: this one, or with
+    # metrics_use_admin_token the admin token. Neither: /metrics is open.
+    metrics_token: SecretStr | None = None
+    metrics_use_admin_token: bool = False
+
+    _secrets = field_validator("token", "metrics_token")(_usable_secret)
+
+    @model_validator(mode="after")
+    def _metrics_token_source(self) -> Admin:
+        if self.metrics_use_admin_token and self.token is None:
+            raise ValueError("metrics_use_admin_token needs admin.token")
+        return self
 
 
 class Timeouts(BaseModel):
@@ -149,6 +172,13 @@ class Settings(BaseSettings):
     api_keys: list[SecretStr] = []
     log_level: str = "INFO"
     logging: Logging = Logging()
+
+    @field_validator("api_keys")
+    @classmethod
+    def _usable_keys(cls, v: list[SecretStr]) -> list[SecretStr]:
+        for key in v:
+            _usable_secret(key)
+        return v
 
     @model_validator(mode="after")
     def _unique_names(self) -> Settings:
