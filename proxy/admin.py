@@ -11,9 +11,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
+from proxy.coordination import COORD
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
 from proxy.fields import parse_object
 from proxy.inbound import read_body
@@ -30,6 +32,35 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class AdminOff(ProxyError):
     status, type, code = 403, "permission_error", "admin_disabled"
+
+
+class NoLeader(ProxyError):
+    status, type, code = 503, "server_error", "no_recovery_leader"
+
+
+async def _at_leader(request: web.Request) -> web.Response | None:
+    """Recovery runs in the leader: from any other process, forward the call.
+
+    None: this process leads; handle it here.
+    """
+    coord = request.app[COORD]
+    if coord.is_leader():
+        return None
+    path = coord.leader_socket
+    if path is None or not path.exists():
+        raise NoLeader("no process leads recovery right now (one is taking over); retry soon")
+    headers = {k: v for k, v in request.headers.items() if k in ("Authorization", "Content-Type")}
+    # A round may wait up to wait_unhealthy_s + recover_s: no total timeout.
+    timeout = aiohttp.ClientTimeout(total=None, connect=5)
+    try:
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path))) as s,
+            s.request(request.method, "http://leader" + request.path_qs,
+                      data=await request.read(), headers=headers, timeout=timeout) as r,
+        ):  # fmt: skip
+            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+    except (aiohttp.ClientError, OSError) as e:
+        raise NoLeader(f"the recovery leader did not answer ({type(e).__name__}); retry") from None
 
 
 class RetryBody(BaseModel, extra="forbid"):
@@ -96,6 +127,8 @@ async def patch_rank(request: web.Request) -> web.Response:
 
 
 async def retry(request: web.Request) -> web.Response:
+    if (answer := await _at_leader(request)) is not None:
+        return answer
     body: RetryBody = await _body(request, RetryBody)
     _group_or_404(request, body.group)
     spec = RoundSpec(body.group, wait_unhealthy_s=body.wait_unhealthy_s, recover_s=body.recover_s)
@@ -103,6 +136,8 @@ async def retry(request: web.Request) -> web.Response:
 
 
 async def scale_down(request: web.Request) -> web.Response:
+    if (answer := await _at_leader(request)) is not None:
+        return answer
     body: ScaleDownBody = await _body(request, ScaleDownBody)
     _group_or_404(request, body.group)
     group = request.app[TABLE].group(body.group)
@@ -131,6 +166,8 @@ async def scale_down(request: web.Request) -> web.Response:
 
 
 async def rounds(request: web.Request) -> web.Response:
+    if (answer := await _at_leader(request)) is not None:
+        return answer
     return web.json_response({"rounds": request.app[RECOVERY].rounds()})
 
 

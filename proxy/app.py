@@ -14,6 +14,7 @@ from aiohttp import web
 
 from proxy import accesslog, admin, drain, generation, models
 from proxy.accesslog import AccessLog, AccessRecord, End
+from proxy.coordination import COORD, Coordination
 from proxy.errors import (
     HttpStatusError,
     MethodNotAllowed,
@@ -24,7 +25,7 @@ from proxy.errors import (
 from proxy.feed import Poller, PushFeed
 from proxy.fields import check_fields
 from proxy.inbound import check_api_key, client_request_id, read_body, read_json
-from proxy.metrics import Metrics
+from proxy.metrics import SAMPLE_EVERY_S, Metrics
 from proxy.ranks import RankTable
 from proxy.recovery import AutoRecovery, Recovery
 from proxy.relay import Outbound, Relay
@@ -220,10 +221,25 @@ async def _push(app: web.Application) -> None:
 
 
 async def _auto_recovery(app: web.Application) -> None:
+    # Only the leader starts rounds: one fault, one round, however many
+    # processes watch the same ranks.
+    await app[COORD].wait_leader()
     await AutoRecovery(app[RECOVERY]).run()
 
 
-def build_app(settings: Settings, config_path: Path | None = None) -> web.Application:
+async def _coordinate(app: web.Application) -> None:
+    await app[COORD].run()
+
+
+async def _sample_metrics(app: web.Application) -> None:
+    while True:  # only with multiprocess metrics: see Metrics.sample
+        app[METRICS].sample()
+        await asyncio.sleep(SAMPLE_EVERY_S)
+
+
+def build_app(
+    settings: Settings, config_path: Path | None = None, coord: Coordination | None = None
+) -> web.Application:
     draining = drain.Drain()
     app = web.Application(
         # Drain sits inside the access log (which then logs how a request it
@@ -246,7 +262,11 @@ def build_app(settings: Settings, config_path: Path | None = None) -> web.Applic
         app[CONFIG_PATH] = config_path
     app[TABLE] = table = RankTable(settings.groups)
     app[METRICS] = Metrics(table)
+    app[COORD] = coord if coord is not None else Coordination()
     app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_background("coordination", _coordinate))
+    if app[METRICS].multiprocess:
+        app.cleanup_ctx.append(_background("metrics-sampler", _sample_metrics))
     app.cleanup_ctx.append(_background("poller", _poll))
     app.cleanup_ctx.append(_background("push-feed", _push))
     app.cleanup_ctx.append(_background("auto-recovery", _auto_recovery))

@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the proxy")
     serve.add_argument("--config", type=Path, default=Path("config/proxy.yaml"))
+    serve.add_argument("--workers", type=int, help="worker processes (default: config workers)")
     for name, text in (("status", "live table of ranks"), ("retry", "run a retry round")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--url", default="http://127.0.0.1:8000", help="the proxy")
@@ -70,6 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ft-proxy: invalid configuration: {e}", file=sys.stderr)
         return EXIT_CONFIG
     logs.configure(settings.logging.format, settings.log_level)
+    workers = args.workers if args.workers is not None else settings.workers
+    if workers < 1:
+        print("ft-proxy: --workers must be at least 1", file=sys.stderr)
+        return EXIT_CONFIG
+    if workers > 1:
+        from proxy import supervisor
+
+        return supervisor.serve(settings, args.config, workers)
     from proxy.server import serve_forever
 
     with contextlib.suppress(KeyboardInterrupt):

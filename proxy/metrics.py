@@ -1,15 +1,28 @@
-"""Prometheus metrics, one registry per app (no process-global state)."""
+"""Prometheus metrics, one registry per app (no process-global state).
+
+With ``--workers N`` the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before
+anything imports prometheus_client: counters, histograms and gauges are kept
+in files there, and ``/metrics`` answered by any worker adds up every
+worker's (prometheus_client's multiprocess mode). The rank table gauges
+(status, routable, feed age) are the answering worker's view; every worker
+polls the same ranks. ``ftproxy_in_flight`` is summed over live workers.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from proxy.ranks import RankTable
+
+# How often a worker copies its table's in-flight counts into the shared files.
+SAMPLE_EVERY_S = 0.25
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -17,8 +30,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class _RankStatusCollector(Collector):
     """Reads the rank table at scrape time, so it can never go stale."""
 
-    def __init__(self, table: RankTable) -> None:
+    def __init__(self, table: RankTable, in_flight: bool = True) -> None:
         self.table = table
+        self.in_flight = in_flight  # False: a multiprocess gauge has it
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         status = GaugeMetricFamily(
@@ -43,12 +57,15 @@ class _RankStatusCollector(Collector):
             in_flight.add_metric([r.name], r.in_flight)
         yield status
         yield routable
-        yield in_flight
+        if self.in_flight:
+            yield in_flight
         yield heartbeat
 
 
 class Metrics:
     def __init__(self, table: RankTable) -> None:
+        self.table = table
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -68,8 +85,9 @@ class Metrics:
             ["rank"], buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.queued = Gauge(
-            "ftproxy_queued_requests", "Requests waiting for a healthy rank", registry=r
-        )
+            "ftproxy_queued_requests", "Requests waiting for a healthy rank", registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
         self.no_rank = Counter(
             "ftproxy_no_healthy_rank", "Requests answered 503: no healthy rank in time", registry=r
         )
@@ -78,8 +96,9 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r,
         )  # fmt: skip
         self.streams_held = Gauge(
-            "ftproxy_streams_held", "Client streams on hold through a fault now", registry=r
-        )
+            "ftproxy_streams_held", "Client streams on hold through a fault now", registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
         self.hold_seconds = Histogram(
             "ftproxy_hold_seconds", "How long streams were held", registry=r,
             buckets=(0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
@@ -123,7 +142,22 @@ class Metrics:
             "ftproxy_internal_errors", "Requests answered 500 because of a bug in the proxy",
             registry=r,
         )  # fmt: skip
-        r.register(_RankStatusCollector(table))
+        self._table_collector = _RankStatusCollector(table, in_flight=not self.multiprocess)
+        r.register(self._table_collector)
+        self.in_flight = Gauge(
+            "ftproxy_in_flight", "Requests in flight to the rank", ["rank"],
+            multiprocess_mode="livesum", registry=None,
+        )  # fmt: skip
+
+    def sample(self) -> None:
+        """Copy this worker's in-flight counts to the shared files."""
+        for rank in self.table:
+            self.in_flight.labels(rank.name).set(rank.in_flight)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        whole = CollectorRegistry()
+        MultiProcessCollector(whole)  # type: ignore[no-untyped-call]
+        whole.register(self._table_collector)
+        return generate_latest(whole)

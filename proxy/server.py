@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
 from proxy.admin import reload_config
 from proxy.app import build_app
+from proxy.coordination import Coordination
 from proxy.drain import DRAIN, Drain, graceful_stop
 from proxy.errors import ProxyError
 from proxy.listener import Runner
@@ -29,6 +32,7 @@ class Running:
     app: web.Application
     port: int
     stopped: bool = False
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
     def drain(self) -> Drain:
@@ -38,6 +42,7 @@ class Running:
         """What SIGTERM does: readiness off, listener closed, work finished or ended."""
         if not self.stopped:
             self.stopped = True
+            self._cancel_tasks()
             await graceful_stop(self.runner, self.drain, self.app[SETTINGS].shutdown)
 
     @property
@@ -47,22 +52,53 @@ class Running:
     async def stop(self) -> None:
         if not self.stopped:
             self.stopped = True
+            self._cancel_tasks()
             await self.runner.cleanup()
 
+    def _cancel_tasks(self) -> None:
+        for task in self.tasks:
+            task.cancel()
 
-async def start(settings: Settings, config_path: Path | None = None) -> Running:
-    """Start listening (port 0 picks a free port) and return the handle."""
-    app = build_app(settings, config_path)
+
+async def start(
+    settings: Settings,
+    config_path: Path | None = None,
+    sock: socket.socket | None = None,
+    coord: Coordination | None = None,
+) -> Running:
+    """Start listening (port 0 picks a free port) and return the handle.
+
+    ``sock``: a listening socket shared with other worker processes (see
+    proxy.supervisor) instead of binding ``listen``.
+    """
+    app = build_app(settings, config_path, coord)
     # handler_cancellation: a client that disconnects cancels its handler,
     # which closes the upstream request at once.
     runner = Runner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
     )
     await runner.setup()
-    site = web.TCPSite(runner, settings.listen.host, settings.listen.port, backlog=1024)
+    site: web.BaseSite
+    if sock is not None:
+        site = web.SockSite(runner, sock)
+    else:
+        site = web.TCPSite(runner, settings.listen.host, settings.listen.port, backlog=1024)
     await site.start()
     port = runner.addresses[0][1]
-    return Running(runner, app, port)
+    running = Running(runner, app, port)
+    if coord is not None and coord.leader_socket is not None:
+        running.tasks.append(asyncio.create_task(_leader_socket(runner, coord)))
+    return running
+
+
+async def _leader_socket(runner: web.AppRunner, coord: Coordination) -> None:
+    """Once this process leads, answer the other workers' forwarded admin calls."""
+    await coord.wait_leader()
+    path = coord.leader_socket
+    assert path is not None
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # left by a leader that died
+    await web.UnixSite(runner, str(path)).start()
 
 
 def _reload(app: web.Application) -> None:
@@ -72,8 +108,13 @@ def _reload(app: web.Application) -> None:
         log.error("SIGHUP: %s", e.message)
 
 
-async def serve_forever(settings: Settings, config_path: Path | None = None) -> None:
-    running = await start(settings, config_path)
+async def serve_forever(
+    settings: Settings,
+    config_path: Path | None = None,
+    sock: socket.socket | None = None,
+    coord: Coordination | None = None,
+) -> None:
+    running = await start(settings, config_path, sock, coord)
     log.info("ft-proxy listening on http://%s:%d", settings.listen.host, running.port)
     stop = asyncio.Event()
 

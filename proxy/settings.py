@@ -168,6 +168,8 @@ class Settings(BaseSettings):
     admin: Admin = Admin()
     routing: Routing = Routing()
     shutdown: Shutdown = Shutdown()
+    # Worker processes sharing the listener (proxy.supervisor); 1: no supervisor.
+    workers: int = Field(1, ge=1, le=64)
     # Optional data-plane API keys (Authorization: Bearer <key>).
     api_keys: list[SecretStr] = []
     log_level: str = "INFO"

@@ -1,0 +1,166 @@
+"""``ft-proxy serve --workers N``: N worker processes on one listening socket.
+
+The supervisor binds the socket once and forks the workers, which inherit it
+(the kernel hands each new connection to one of them). It runs no event
+loop and serves nothing itself; it:
+
+* restarts a worker that dies (at most once a second per worker);
+* forwards SIGHUP (reload) and SIGTERM/SIGINT (graceful drain) to every
+  worker, and on SIGTERM closes its own copy of the socket, so the listener
+  really closes once the workers have closed theirs;
+* gives the workers a run directory: prometheus-client's multiprocess files
+  (``/metrics`` for the whole replica) and the ``flock`` that elects the one
+  worker leading recovery and the admin plane (proxy.coordination.flock).
+
+Each worker keeps its own rank table from the same polls and feeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+
+from proxy.settings import Settings
+
+log = logging.getLogger("ftproxy.supervisor")
+
+RESTART_MIN_INTERVAL_S = 1.0
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, config_path: Path | None, workers: int) -> None:
+        self.settings, self.config_path, self.n = settings, config_path, workers
+        self.run_dir = Path(tempfile.mkdtemp(prefix="ftproxy-"))
+        self.pids: dict[int, int] = {}  # pid -> slot
+        self.started: dict[int, float] = {}  # slot -> when its worker last started
+        self.stopping = False
+        self.sock: socket.socket | None = None
+
+    def run(self) -> int:
+        metrics_dir = self.run_dir / "metrics"
+        metrics_dir.mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        # prometheus_client picks its value store at import, which the CLI's
+        # logging setup has already done; no metric exists yet (each app
+        # makes its own), so choosing again now is what an import would do.
+        from prometheus_client import values
+
+        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+        listen = self.settings.listen
+        self.sock = socket.create_server((listen.host, listen.port), backlog=1024)
+        self.sock.set_inheritable(True)
+        log.info("ft-proxy listening on http://%s:%d with %d workers",
+                 listen.host, self.sock.getsockname()[1], self.n)  # fmt: skip
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_hup)
+        try:
+            for slot in range(self.n):
+                self._spawn(slot)
+            self._watch()
+        finally:
+            if self.sock is not None:
+                self.sock.close()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        return 0
+
+    # -- signals ----------------------------------------------------------------
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        first = not self.stopping
+        self.stopping = True
+        if first and self.sock is not None:
+            self.sock.close()  # the workers hold the listener until they drain
+            self.sock = None
+        self._forward(signum)  # a second signal makes the workers hurry
+
+    def _on_hup(self, signum: int, frame: FrameType | None) -> None:
+        self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        for pid in list(self.pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    # -- workers ----------------------------------------------------------------
+    def _watch(self) -> None:
+        while self.pids:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                time.sleep(0.05)
+                continue
+            slot = self.pids.pop(pid)
+            _mark_dead(pid)
+            if self.stopping:
+                continue
+            log.error("worker %d (pid %d) ended (%s); restarting it",
+                      slot, pid, _describe(status))  # fmt: skip
+            wait = self.started[slot] + RESTART_MIN_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            if not self.stopping:
+                self._spawn(slot)
+
+    def _spawn(self, slot: int) -> None:
+        assert self.sock is not None
+        self.started[slot] = time.monotonic()
+        pid = os.fork()
+        if pid:
+            self.pids[pid] = slot
+            return
+        code = 1
+        try:
+            code = _worker(self.settings, self.config_path, self.sock, self.run_dir)
+        except BaseException:  # a child must never return into the parent's code
+            log.exception("worker %d failed", slot)
+        finally:
+            logging.shutdown()
+            os._exit(code)
+
+
+def _worker(settings: Settings, config_path: Path | None, sock: socket.socket, run: Path) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    import asyncio
+
+    from proxy.coordination.flock import FlockFile
+    from proxy.server import serve_forever
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve_forever(settings, config_path, sock, FlockFile(run)))
+    return 0
+
+
+def _mark_dead(pid: int) -> None:
+    # Drops the dead worker's live gauges (in flight, queued, held) from the sums.
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"
+
+
+def serve(settings: Settings, config_path: Path | None, workers: int) -> int:
+    if sys.platform == "win32":  # pragma: no cover
+        raise SystemExit("--workers needs fork (Linux, macOS)")
+    return Supervisor(settings, config_path, workers).run()

@@ -1,0 +1,182 @@
+"""``ft-proxy serve --workers N``: one port, a replica-wide /metrics, one
+recovery leader, restarts, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.conftest import free_port
+from tests.fakes import FakeRank
+
+TOKEN = "w0rkers"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class Replica:
+    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
+        self.proc, self.port = proc, port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def workers(self) -> list[int]:
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(p) for p in path.read_text().split()]
+
+    async def get(self, path: str) -> tuple[int, Any]:
+        # A fresh connection each time, so the kernel may pick any worker.
+        async with aiohttp.ClientSession() as s, s.get(self.url + path, headers=AUTH) as r:
+            body = await r.json() if r.content_type == "application/json" else await r.text()
+            return r.status, body
+
+
+@pytest.fixture
+async def replica(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Replica]]]:
+    started: list[Replica] = []
+
+    async def make(ranks: list[FakeRank], workers: int = 2, auto: bool = False) -> Replica:
+        port = free_port()
+        cfg = tmp_path / f"proxy-{port}.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "listen": {"host": "127.0.0.1", "port": port},
+            "groups": [{"name": "dp-a",
+                        "ranks": [{"name": r.name, "url": r.url} for r in ranks],
+                        "auto_recovery": {"enabled": auto, "grace_s": 0.2}}],
+            "admin": {"token": TOKEN}, "timeouts": {"poll_interval_s": 0.05},
+            "shutdown": {"ready_delay_s": 0.3, "grace_s": 2}, "log_level": "WARNING",
+        }))  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "serve", "--config", str(cfg),
+            "--workers", str(workers),
+        )  # fmt: skip
+        rep = Replica(proc, port)
+        started.append(rep)
+        for _ in range(150):
+            try:
+                if (await rep.get("/health"))[0] == 200 and len(rep.workers()) == workers:
+                    break
+            except (aiohttp.ClientError, OSError):
+                pass
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the replica did not come up")
+        await asyncio.sleep(0.3)  # every worker has polled the ranks
+        return rep
+
+    yield make
+    for rep in started:
+        if rep.proc.returncode is None:
+            rep.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(rep.proc.wait(), 10)
+            except TimeoutError:
+                for pid in rep.workers():
+                    os.kill(pid, signal.SIGKILL)
+                rep.proc.kill()
+                await rep.proc.wait()
+
+
+def total(metrics: str, name: str) -> float:
+    return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", metrics, re.M))
+
+
+async def test_one_port_and_metrics_for_the_whole_replica(fakes, replica) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    rep = await replica([a, b], workers=2)
+    async with aiohttp.ClientSession() as s:
+        for i in range(12):
+            conn = {"Connection": "close"}  # spread over the workers
+            async with s.post(rep.url + "/v1/completions", json={"prompt": f"p{i}"},
+                              headers=conn) as r:  # fmt: skip
+                assert r.status == 200
+    assert len(a.received) + len(b.received) == 12
+    for _ in range(6):  # whichever worker answers, the sum is the replica's
+        code, text = await rep.get("/metrics")
+        assert code == 200 and total(text, "ftproxy_requests_total") == 12
+
+
+async def test_auto_recovery_runs_once_per_fault_across_workers(fakes, replica) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    rep = await replica([a, b], workers=3, auto=True)
+    for fault in (1, 2):
+        a.fault()
+        b.fault()
+        for _ in range(60):
+            if len(a.applies) == fault and a.status == b.status == "healthy":
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.8)  # a second round would have started by now
+        assert len(a.applies) == len(b.applies) == fault
+    code, rounds = await rep.get("/admin/rounds")  # any worker shows the leader's rounds
+    assert code == 200 and rounds["rounds"][0]["trigger"] == "auto"
+
+
+async def test_admin_retry_on_any_worker_joins_one_round(fakes, replica) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    rep = await replica([a, b], workers=2)
+    a.fault()
+
+    async def retry() -> tuple[int, Any]:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(rep.url + "/admin/retry", json={"group": "dp-a"}, headers=AUTH) as r,
+        ):
+            return r.status, await r.json()
+
+    calls = [asyncio.create_task(retry()) for _ in range(6)]
+    await asyncio.sleep(0.5)
+    b.fault()
+    answers = await asyncio.gather(*calls)
+    assert {code for code, _ in answers} == {200}
+    assert len({repr(report) for _, report in answers}) == 1  # identical reports
+    assert len(a.applies) == len(b.applies) == 1
+
+
+async def test_a_dead_worker_is_replaced_and_leadership_moves(fakes, replica) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    rep = await replica([a, b], workers=2, auto=True)
+    for victim in list(rep.workers()):  # one of them led; both die in turn
+        os.kill(victim, signal.SIGKILL)
+        for _ in range(60):
+            now = rep.workers()
+            if victim not in now and len(now) == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert victim not in rep.workers() and len(rep.workers()) == 2
+    for _ in range(50):
+        if (await rep.get("/admin/rounds"))[0] == 200:
+            break
+        await asyncio.sleep(0.1)
+    a.fault()
+    b.fault()
+    for _ in range(60):
+        if a.applies and a.status == b.status == "healthy":
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)
+    assert len(a.applies) == len(b.applies) == 1
+
+
+async def test_sigterm_drains_every_worker(fakes, replica) -> None:
+    a = await fakes(name="a", token_delay_s=0.05)
+    rep = await replica([a], workers=2)
+    body = {"prompt": "x", "max_tokens": 400, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(rep.url + "/v1/completions", json=body) as r:
+        await r.content.readany()
+        rep.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        assert (await rep.get("/ready"))[0] == 503  # while the listener still answers
+        rest = await r.read()
+    assert b'"code":"proxy_shutdown"' in rest and rest.endswith(b"data: [DONE]\n\n")
+    assert await asyncio.wait_for(rep.proc.wait(), 10) == 0
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", rep.port)
