@@ -13,10 +13,10 @@ beyond a double, and nesting deeper than :data:`MAX_DEPTH`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import orjson
+from pydantic import TypeAdapter, ValidationError
 
 from proxy.errors import BadRequest
 
@@ -55,101 +55,73 @@ def _check_depth(root: dict[str, Any]) -> None:
 
 
 # -- field types ---------------------------------------------------------------
+# Each field is validated as vLLM 0.32's request models validate it (pydantic's
+# lax mode: "5" is an int, "false" a boolean, 1.5 not an int), so the proxy
+# refuses what a rank would refuse and accepts what it would accept.
 
+_INT = TypeAdapter(int | None)
+_FLOAT = TypeAdapter(float | None)
+_BOOL = TypeAdapter(bool | None)
+_STR = TypeAdapter(str | None)
+_OBJECT = TypeAdapter(dict[str, Any] | None)
+_LIST = TypeAdapter(list[Any] | None)
+_STOP = TypeAdapter(str | list[str] | None)
+_INT_LIST = TypeAdapter(list[int] | None)
+_TOOL_CHOICE = TypeAdapter(str | dict[str, Any] | None)
+_PROMPT = TypeAdapter(list[int] | list[list[int]] | str | list[str] | None)
 
-def _int(v: Any) -> bool:
-    return type(v) is int  # bool is not an int here, as in the OpenAI API
-
-
-def _number(v: Any) -> bool:
-    return type(v) in (int, float)
-
-
-def _bool(v: Any) -> bool:
-    return type(v) is bool
-
-
-def _str(v: Any) -> bool:
-    return type(v) is str
-
-
-def _object(v: Any) -> bool:
-    return type(v) is dict
-
-
-def _list(v: Any) -> bool:
-    return type(v) is list
-
-
-def _stop(v: Any) -> bool:
-    return _str(v) or (_list(v) and all(map(_str, v)))
-
-
-def _int_list(v: Any) -> bool:
-    return _list(v) and all(map(_int, v))
-
-
-def _logprobs(v: Any) -> bool:
-    return _bool(v) or _int(v)  # completions: a count; chat: a flag
-
-
-def _tool_choice(v: Any) -> bool:
-    return _str(v) or _object(v)
-
-
-def _prompt(v: Any) -> bool:
-    if _str(v):
-        return True
-    if not _list(v):
-        return False
-    return all(map(_str, v)) or all(map(_int, v)) or all(map(_int_list, v))
-
-
-def _messages(v: Any) -> bool:
-    return _list(v) and len(v) > 0 and all(_object(m) and _str(m.get("role")) for m in v)
-
-
-Check = tuple[Callable[[Any], bool], str]
+Check = tuple[TypeAdapter[Any], str]
 
 # Fields of completions and chat the proxy reads (null means "default").
 COMMON: dict[str, Check] = {
-    "model": (_str, "a string"),
-    "stream": (_bool, "a boolean"),
-    "stream_options": (_object, "an object"),
-    "n": (_int, "an integer"),
-    "best_of": (_int, "an integer"),
-    "max_tokens": (_int, "an integer"),
-    "max_completion_tokens": (_int, "an integer"),
-    "min_tokens": (_int, "an integer"),
-    "stop": (_stop, "a string or a list of strings"),
-    "stop_token_ids": (_int_list, "a list of integers"),
-    "return_token_ids": (_bool, "a boolean"),
-    "include_stop_str_in_output": (_bool, "a boolean"),
-    "use_beam_search": (_bool, "a boolean"),
-    "logprobs": (_logprobs, "a boolean or an integer"),
-    "top_logprobs": (_int, "an integer"),
-    "prompt_logprobs": (_int, "an integer"),
-    "temperature": (_number, "a number"),
-    "response_format": (_object, "an object"),
-    "tools": (_list, "a list"),
-    "tool_choice": (_tool_choice, "a string or an object"),
+    "model": (_STR, "a string"),
+    "stream": (_BOOL, "a boolean"),
+    "stream_options": (_OBJECT, "an object"),
+    "n": (_INT, "an integer"),
+    "best_of": (_INT, "an integer"),
+    "max_tokens": (_INT, "an integer"),
+    "max_completion_tokens": (_INT, "an integer"),
+    "min_tokens": (_INT, "an integer"),
+    "stop": (_STOP, "a string or a list of strings"),
+    "stop_token_ids": (_INT_LIST, "a list of integers"),
+    "return_token_ids": (_BOOL, "a boolean"),
+    "include_stop_str_in_output": (_BOOL, "a boolean"),
+    "use_beam_search": (_BOOL, "a boolean"),
+    "top_logprobs": (_INT, "an integer"),
+    "prompt_logprobs": (_INT, "an integer"),
+    "temperature": (_FLOAT, "a number"),
+    "response_format": (_OBJECT, "an object"),
+    "tools": (_LIST, "a list"),
+    "tool_choice": (_TOOL_CHOICE, "a string or an object"),
 }
 COMPLETION_ONLY: dict[str, Check] = {
-    "prompt": (_prompt, "a string, a list of strings, or a list of token-id lists"),
-    "echo": (_bool, "a boolean"),
-    "suffix": (_str, "a string"),
+    "prompt": (_PROMPT, "a string, a list of strings, or a list of token-id lists"),
+    "logprobs": (_INT, "an integer"),
+    "echo": (_BOOL, "a boolean"),
+    "suffix": (_STR, "a string"),
+}
+CHAT_ONLY: dict[str, Check] = {
+    "logprobs": (_BOOL, "a boolean"),
 }
 STREAM_OPTIONS: dict[str, Check] = {
-    "include_usage": (_bool, "a boolean"),
-    "continuous_usage_stats": (_bool, "a boolean"),
+    "include_usage": (_BOOL, "a boolean"),
+    "continuous_usage_stats": (_BOOL, "a boolean"),
 }
+
+
+def _messages(v: Any) -> bool:
+    return (
+        type(v) is list
+        and len(v) > 0
+        and all(type(m) is dict and type(m.get("role")) is str for m in v)
+    )
 
 
 def check_fields(kind: str, body: dict[str, Any]) -> None:
     """Raise InvalidField naming the first field the proxy cannot use as sent."""
-    chat = kind == "chat"
     _check(body, COMMON, "")
-    if chat:
+    if kind == "chat":
+        _check(body, CHAT_ONLY, "")
         if not _messages(body.get("messages")):
             raise InvalidField(
                 "'messages' must be a non-empty list of objects with a string 'role'",
@@ -158,12 +130,15 @@ def check_fields(kind: str, body: dict[str, Any]) -> None:
     else:
         _check(body, COMPLETION_ONLY, "")
     opts = body.get("stream_options")
-    if opts is not None:
+    if type(opts) is dict:
         _check(opts, STREAM_OPTIONS, "stream_options.")
 
 
 def _check(body: dict[str, Any], checks: dict[str, Check], prefix: str) -> None:
-    for name, (ok, what) in checks.items():
-        value = body.get(name)
-        if value is not None and not ok(value):
-            raise InvalidField(f"'{prefix}{name}' must be {what}", param=prefix + name)
+    for name, (adapter, what) in checks.items():
+        if name not in body:
+            continue
+        try:
+            adapter.validate_python(body[name])
+        except ValidationError:
+            raise InvalidField(f"'{prefix}{name}' must be {what}", param=prefix + name) from None

@@ -16,24 +16,24 @@ from tests.conftest import settings_for
 BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     ("completion", {"n": "abc"}, "n"),
     ("completion", {"n": [1]}, "n"),
-    ("completion", {"n": True}, "n"),
     ("completion", {"best_of": "x"}, "best_of"),
     ("completion", {"stop": 5}, "stop"),
     ("completion", {"stop": True}, "stop"),
     ("completion", {"stop": ["a", 1]}, "stop"),
     ("completion", {"stream_options": "x"}, "stream_options"),
     ("completion", {"stream_options": 5}, "stream_options"),
-    ("completion", {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ("completion", {"stream": "true"}, "stream"),
-    ("completion", {"max_tokens": "5"}, "max_tokens"),
+    ("completion", {"stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+    ("completion", {"stream": "maybe"}, "stream"),
+    ("completion", {"max_tokens": "five"}, "max_tokens"),
     ("completion", {"max_tokens": 1.5}, "max_tokens"),
-    ("completion", {"return_token_ids": 1}, "return_token_ids"),
+    ("completion", {"return_token_ids": 2}, "return_token_ids"),
     ("completion", {"logprobs": "x"}, "logprobs"),
     ("completion", {"prompt": 5}, "prompt"),
     ("completion", {"prompt": [1, "a"]}, "prompt"),
     ("completion", {"prompt": {"a": 1}}, "prompt"),
     ("completion", {"model": 3}, "model"),
-    ("completion", {"temperature": "0"}, "temperature"),
+    ("completion", {"temperature": "hot"}, "temperature"),
+    ("chat", {"logprobs": 5}, "logprobs"),
     ("completion", {"min_tokens": []}, "min_tokens"),
     ("chat", {"messages": "hi"}, "messages"),
     ("chat", {"messages": []}, "messages"),
@@ -50,6 +50,13 @@ def test_bad_field_types_name_the_field(kind: str, body: dict[str, Any], param: 
     with pytest.raises(InvalidField) as err:
         check_fields(kind, body)
     assert err.value.param == param
+
+
+def test_fields_a_rank_accepts_pass() -> None:
+    # vLLM's pydantic models read these too: "5" is 5, "false" is False, true is 1.
+    check_fields("completion", {"n": True, "max_tokens": "5", "stream": "false",
+                                "return_token_ids": 1, "temperature": "0",
+                                "prompt": ["1", 2]})  # fmt: skip
 
 
 def test_good_fields_pass() -> None:
