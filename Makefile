@@ -34,6 +34,7 @@ test: lint
 	$(PY) -m pytest
 
 bench: setup
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.relay
 
 clean:

@@ -1,0 +1,118 @@
+"""The load generator: keep-alive HTTP/1.1 clients on httptools, one per worker.
+
+Lighter than an aiohttp client, so that the generator is not what limits a
+run. Every answer is kept whole and checked by :mod:`bench.validate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import cast
+
+import httptools
+import orjson
+
+from bench.validate import Ask, check_stream, check_whole, sse_payloads
+
+
+@dataclass
+class Run:
+    units: int = 0  # events (streams) or answers (whole requests)
+    requests: int = 0
+    seconds: float = 0.0
+    first: list[float] = field(default_factory=list)  # seconds to the first event/answer
+
+    @property
+    def rate(self) -> float:
+        return self.units / self.seconds if self.seconds else 0.0
+
+    def pct(self, q: float) -> float:
+        s = sorted(self.first)
+        return s[min(len(s) - 1, int(q * len(s)))] * 1000 if s else float("nan")
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.body: list[bytes] = []
+        self.first = 0.0
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"connection lost: {exc!r}"))
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        if not self.first:
+            self.first = time.perf_counter()
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def request(self, head: bytes, body: bytes) -> tuple[int, bytes, float]:
+        assert self.transport is not None
+        self.body, self.first = [], 0.0
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(head + body)
+        await self.waiter
+        return self.parser.get_status_code(), b"".join(self.body), self.first
+
+
+async def drive(
+    host: str, port: int, concurrency: int, seconds: float, stream: bool,
+    asks: tuple[Ask, ...], pace_s: float = 0.002,
+) -> Run:  # fmt: skip
+    """Run ``concurrency`` workers for ``seconds``; raise Invalid on any wrong answer."""
+    loop = asyncio.get_running_loop()
+    run = Run()
+    deadline = time.perf_counter() + seconds
+    turn = itertools.cycle(asks)
+    bodies = {a: orjson.dumps(a.body(stream, pace_s)) for a in asks}
+    heads = {
+        a: (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(b)}\r\n\r\n").encode()
+        for a, b in bodies.items()
+    }  # fmt: skip
+
+    async def worker() -> None:
+        conn: _Conn | None = None
+        while time.perf_counter() < deadline:
+            if conn is None or conn.lost or not conn.parser.should_keep_alive():
+                if conn is not None and conn.transport is not None:
+                    conn.transport.close()
+                _, conn = await loop.create_connection(_Conn, host, port)
+            ask = next(turn)
+            t0 = time.perf_counter()
+            status, body, first = await conn.request(heads[ask], bodies[ask])
+            if stream:
+                if status != 200:
+                    check_whole(ask, status, body)  # raises with the error text
+                payloads = sse_payloads(body)
+                check_stream(ask, payloads)
+                run.units += len(payloads) - 1
+            else:
+                check_whole(ask, status, body)
+                run.units += 1
+            run.requests += 1
+            run.first.append(first - t0)
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    run.seconds = time.perf_counter() - t0
+    return run
