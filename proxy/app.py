@@ -204,12 +204,15 @@ def _background(
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
-    session = make_session(app[SETTINGS].timeouts)
+    t, limits = app[SETTINGS].timeouts, app[SETTINGS].limits
+    session = make_session(t, limits.upstream_connections_per_rank)
+    fresh = make_session(t, fresh=True)
     app[SESSION] = session
-    app[RELAY] = Relay(app[TABLE], session, app[SETTINGS], app[METRICS])
+    app[RELAY] = Relay(app[TABLE], session, app[SETTINGS], app[METRICS], fresh)
     app[RECOVERY] = Recovery(app[TABLE], session, app[SETTINGS], app[METRICS])
     yield
     await session.close()
+    await fresh.close()
 
 
 async def _poll(app: web.Application) -> None:

@@ -131,6 +131,12 @@ class Metrics:
             "ftproxy_continuations_per_stream", "Continuations each held-open stream needed",
             buckets=(0, 1, 2, 3, 5, 10), registry=r,
         )  # fmt: skip
+        self.upstream_requests = Histogram(
+            "ftproxy_upstream_requests_per_request",
+            "Upstream requests one client request caused: first try, failovers, resends, "
+            "continuations (bounded by limits.upstream_retries and hold.max_continuations)",
+            buckets=(0, 1, 2, 3, 5, 9, 17, 33), registry=r,
+        )  # fmt: skip
         self.refusals = Counter(
             "ftproxy_refusals", "Requests the proxy answered with an error itself, by reason",
             ["reason"], registry=r,

@@ -43,6 +43,7 @@ class Outbound:
     headers: CIMultiDict[str]
     body: bytes
     request_id: str
+    sent: int = 0  # upstream requests made for it, resends included
 
 
 @dataclass
@@ -62,8 +63,10 @@ class Relay:
         session: aiohttp.ClientSession,
         settings: Settings,
         metrics: Metrics,
+        fresh: aiohttp.ClientSession | None = None,
     ) -> None:
         self.table, self.session, self.metrics = table, session, metrics
+        self.fresh = fresh
         self.settings = settings
         self.balancer = SmoothWeightedBalancer()
 
@@ -71,13 +74,17 @@ class Relay:
         self, request: web.Request, out: Outbound, respond: Respond | None = None
     ) -> web.StreamResponse:
         """Open ``out`` on a healthy rank and answer with ``respond`` (default: relay)."""
-        attempt = await self.open(out)
-        rank = attempt.rank
-        rank.in_flight += 1
         try:
-            reply = await (respond or self.relay)(request, attempt)
+            attempt = await self.open(out)
+            rank = attempt.rank
+            rank.in_flight += 1
+            try:
+                reply = await (respond or self.relay)(request, attempt)
+            finally:
+                rank.in_flight -= 1
         finally:
-            rank.in_flight -= 1
+            # Continuations add theirs to ``out.sent`` (proxy.holdopen).
+            self.metrics.upstream_requests.observe(out.sent)
         self.metrics.requests.labels(rank.name, str(attempt.response.status)).inc()
         self.metrics.latency.labels(rank.name).observe(time.monotonic() - attempt.started)
         return reply
@@ -109,10 +116,23 @@ class Relay:
 
     async def _try(self, rank: Rank, out: Outbound, failures: list[str]) -> Attempt | None:
         started = time.monotonic()
+        url = upstream_url(rank.url, out.path)
         try:
-            resp = await self.session.request(
-                out.method, upstream_url(rank.url, out.path), headers=out.headers, data=out.body
-            )
+            try:
+                out.sent += 1
+                resp = await self.session.request(
+                    out.method, url, headers=out.headers, data=out.body
+                )
+            except aiohttp.ServerDisconnectedError:
+                if self.fresh is None:
+                    raise
+                # A pooled connection the rank had closed (its keep-alive ran
+                # out as we reused it) is not a rank failure: send once more on
+                # a new connection, and judge the rank by that.
+                log.info("[%s] rank %s closed a pooled connection; resending on a new one",
+                         out.request_id, rank.name)  # fmt: skip
+                out.sent += 1
+                resp = await self.fresh.request(out.method, url, headers=out.headers, data=out.body)
         except _CONNECT_ERRORS as e:
             failures.append(f"{rank.name}: {type(e).__name__}")
             self.metrics.upstream_errors.labels(rank.name, "connect").inc()

@@ -101,6 +101,12 @@ class Timeouts(BaseModel):
     # server is noticed within poll_interval_s + poll_timeout_s.
     poll_timeout_s: float = Field(0.25, gt=0, le=5)
     connect_s: float = Field(2.0, gt=0)
+    # No byte from a rank for this long: the request counts as lost (a stream
+    # or whole answer is then held and continued, other answers fail over).
+    read_s: float = Field(300.0, gt=0)
+    # Idle upstream connections are closed after this long: below vLLM's
+    # (uvicorn's) 5 s keep-alive, so the proxy never reuses one the rank closed.
+    upstream_idle_s: float = Field(4.0, gt=0, lt=5)
     # How long a new request waits for a healthy rank before 503.
     queue_s: float = Field(30.0, ge=0)
     # Missing heartbeats for this many publisher intervals: rank not routable.
@@ -119,6 +125,9 @@ class Limits(BaseModel):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
     # Extra ranks tried when a rank fails before the first byte is sent.
     upstream_retries: int = Field(2, ge=0)
+    # Open connections to one rank (held streams each keep one); beyond it a
+    # request waits for a free one.
+    upstream_connections_per_rank: int = Field(8192, ge=1)
 
 
 class Routing(BaseModel):

@@ -22,11 +22,20 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 
 
-def make_session(t: Timeouts) -> aiohttp.ClientSession:
-    # limit=0: the balancer bounds work, not the pool; no decompression so
-    # bytes reach the client exactly as the rank sent them.
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-    timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s)
+def make_session(t: Timeouts, per_rank: int = 0, fresh: bool = False) -> aiohttp.ClientSession:
+    """The pooled session (``per_rank`` connections per rank at most, idle
+    ones closed after ``upstream_idle_s``), or with ``fresh`` one that opens a
+    new connection per request and never keeps it (the resend after a pooled
+    connection turned out closed by the rank)."""
+    # No decompression so bytes reach the client exactly as the rank sent them.
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=per_rank, force_close=fresh,
+        keepalive_timeout=None if fresh else t.upstream_idle_s,
+        ttl_dns_cache=300, enable_cleanup_closed=True,
+    )  # fmt: skip
+    # sock_connect, not connect: waiting for a free pooled connection is not a
+    # rank failing to accept one.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.read_s)
     return aiohttp.ClientSession(
         connector=connector, timeout=timeout, auto_decompress=False, trust_env=False,
         cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies of its own

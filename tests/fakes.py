@@ -75,6 +75,10 @@ class FakeRank:
     has_ft: bool = True
     # "ok" | "reset" (close the connection without answering) | "500"
     mode: str = "ok"
+    # Close, unanswered, a generation request that arrives on a connection an
+    # earlier one used: the race of a keep-alive running out as it is reused.
+    close_reused: bool = False
+    closed_reused: int = 0
     # Engine-side resume: a fault pauses streams instead of aborting them.
     resume: bool = False
     # Fault this rank after it has streamed this many tokens (once).
@@ -101,6 +105,7 @@ class FakeRank:
     _faulted: asyncio.Event = field(default_factory=asyncio.Event)
     recovered: asyncio.Event = field(default_factory=asyncio.Event)  # set by recover()
     _thawed: asyncio.Event = field(default_factory=asyncio.Event)
+    _used: set[Any] = field(default_factory=set)
     ft_error: str | None = None
     streamed: int = 0
     # Every request that reached this rank: (method, raw target, X-Request-Id or None).
@@ -230,6 +235,13 @@ class FakeRank:
     async def _generate(
         self, request: web.Request, body: dict[str, Any], prompt: list[int], chat: bool
     ) -> web.StreamResponse:
+        if self.close_reused:
+            if request.transport in self._used:
+                assert request.transport is not None
+                self.closed_reused += 1
+                request.transport.abort()
+                raise asyncio.CancelledError
+            self._used.add(request.transport)
         self.received.append(body)
         if self.mode == "reset":
             assert request.transport is not None

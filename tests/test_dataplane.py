@@ -98,7 +98,8 @@ async def test_reset_before_first_byte_retries_on_another_rank(fakes, proxy, htt
     p = await proxy(replicas([bad, good], weights=[100, 1]))
     code, body = await post(http, p.url, completion())
     assert code == 200 and "choices" in body
-    assert len(bad.received) == 1 and len(good.received) == 1
+    # Resent once on a new connection (it may have been a closed pooled one).
+    assert len(bad.received) == 2 and len(good.received) == 1
     metrics = await (await http.get(p.url + "/metrics")).text()
     assert 'ftproxy_upstream_errors_total{kind="connect",rank="bad"} 1.0' in metrics
 

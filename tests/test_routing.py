@@ -9,7 +9,7 @@ from typing import Any
 from proxy.admin_cli import rank_table
 from proxy.settings import Settings
 from proxy.state import TABLE
-from tests.conftest import FAST_POLL_S, replicas
+from tests.conftest import FAST_POLL_S, replicas, settings_for
 
 TOKEN = "s3cret-admin"
 
@@ -76,3 +76,19 @@ async def test_a_hung_api_server_is_not_routable_within_two_polls(fakes, proxy, 
     assert len(b.received) == 6
     a.thaw()
     assert await table.wait_for(lambda: table.ranks["a"].routable, 2 * interval + 0.5)
+
+
+async def test_a_pooled_connection_the_rank_closed_is_resent_not_a_fault(
+    fakes, proxy, http
+) -> None:
+    # One rank, so a rank wrongly marked down would mean a 502 to the client.
+    a = await fakes(name="a", close_reused=True)
+    p = await proxy(settings_for([a]))
+    for _ in range(6):
+        async with http.post(p.url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 200
+    assert a.closed_reused >= 1  # the race did happen
+    assert len(a.received) == 6 and p.app[TABLE].ranks["a"].routable
+    metrics = await (await http.get(p.url + "/metrics")).text()
+    assert 'ftproxy_upstream_errors_total{kind="connect",rank="a"}' not in metrics
+    assert "ftproxy_upstream_requests_per_request_count 6.0" in metrics
