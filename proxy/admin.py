@@ -6,6 +6,7 @@ the config (or ``FTPROXY_ADMIN__TOKEN``) the admin plane is off, not open.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -15,10 +16,11 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
-from proxy.coordination import COORD
+from proxy.coordination import COORD, WEIGHTS_EVERY_S
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
 from proxy.fields import parse_object
 from proxy.inbound import read_body
+from proxy.ranks import RankTable
 from proxy.recovery import RECOVERED, RoundReport, RoundSpec
 from proxy.settings import ConfigError, load_settings
 from proxy.state import CONFIG_PATH, RECOVERY, SETTINGS, TABLE
@@ -121,6 +123,8 @@ async def patch_rank(request: web.Request) -> web.Response:
         raise NotFound(f"no rank named {request.match_info['name']!r}")
     body: WeightBody = await _body(request, WeightBody)
     log.info("rank %s: weight %d -> %d (admin)", rank.name, rank.weight, body.weight)
+    # Shared backends keep it for every process and across reloads.
+    await request.app[COORD].set_weight(rank.name, body.weight)
     rank.weight = body.weight
     request.app[TABLE].notify()
     return web.json_response(rank.snapshot())
@@ -159,6 +163,7 @@ async def scale_down(request: web.Request) -> web.Response:
     report = await request.app[RECOVERY].run(spec)
     if report.outcome == RECOVERED:
         for name in body.removed:  # stop routing to the removed ranks
+            await request.app[COORD].set_weight(name, 0)
             by_name[name].weight = 0
             by_name[name].removed = True  # and stop judging the group by them
         request.app[TABLE].notify()
@@ -185,8 +190,40 @@ def reload_config(app: web.Application) -> dict[str, Any]:
     except ConfigError as e:
         raise BadRequest(f"config not reloaded: {e}") from None
     diff = app[TABLE].apply(fresh.groups)
+    apply_weights(app[TABLE], app[WEIGHTS])  # shared overrides outlive a reload
     log.info("config reloaded from %s: %s", path, diff)
     return diff
+
+
+WEIGHTS = web.AppKey("weight_overrides", dict[str, int])
+
+
+def apply_weights(table: RankTable, overrides: dict[str, int]) -> None:
+    changed = False
+    for name, weight in overrides.items():
+        rank = table.ranks.get(name)
+        if rank is not None and rank.weight != weight:
+            log.info("rank %s: weight %d -> %d (shared override)", name, rank.weight, weight)
+            rank.weight, changed = weight, True
+    if changed:
+        table.notify()
+
+
+async def follow_weights(app: web.Application) -> None:
+    """Apply every process's weight overrides here (shared backends only)."""
+    held = app[WEIGHTS]  # filled in place: the app's state is frozen once started
+    while True:
+        try:
+            fresh = await app[COORD].weights()
+        except Exception:  # the store is down: keep what is in force, try again
+            log.exception("weight overrides not read")
+            fresh = dict(held)
+        if fresh is None:
+            return  # memory: PATCH applies in place, nothing to follow
+        held.clear()
+        held.update(fresh)
+        apply_weights(app[TABLE], held)
+        await asyncio.sleep(WEIGHTS_EVERY_S)
 
 
 def add_routes(app: web.Application) -> None:

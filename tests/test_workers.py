@@ -180,3 +180,34 @@ async def test_sigterm_drains_every_worker(fakes, replica) -> None:
     assert await asyncio.wait_for(rep.proc.wait(), 10) == 0
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", rep.port)
+
+
+async def test_a_weight_patch_reaches_every_worker_and_survives_reload(fakes, replica) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    rep = await replica([a, b], workers=3)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.patch(rep.url + "/admin/ranks/b", json={"weight": 0}, headers=AUTH) as r,
+    ):
+        assert r.status == 200
+    await asyncio.sleep(1.0)  # in force everywhere within a second
+
+    async def weights() -> set[int]:
+        seen = set()
+        for _ in range(9):  # fresh connections: every worker answers some
+            _, body = await rep.get("/admin/ranks")
+            seen.add(next(r["weight"] for r in body["ranks"] if r["name"] == "b"))
+        return seen
+
+    assert await weights() == {0}
+    rep.proc.send_signal(signal.SIGHUP)  # reload: the config says weight 1
+    await asyncio.sleep(0.5)
+    assert await weights() == {0}
+    a.received.clear()
+    b.received.clear()
+    async with aiohttp.ClientSession() as s:
+        for i in range(9):
+            async with s.post(rep.url + "/v1/completions", json={"prompt": f"q{i}"},
+                              headers={"Connection": "close"}) as r:  # fmt: skip
+                assert r.status == 200
+    assert len(b.received) == 0 and len(a.received) == 9

@@ -1,17 +1,24 @@
 """Coordination: what must be one across the proxy's processes.
 
-One process is the **leader**: it alone starts automatic recovery rounds and
-runs the rounds asked for on ``/admin/retry`` and ``/admin/scale_down``;
-every other process forwards those calls to it, so one fault never gets two
-rounds. Backends:
+Three things must be one however many processes front the same ranks:
 
-* :class:`Memory` - a single process (no ``--workers``): always the leader,
-  exactly the behaviour of a proxy without coordination;
+* **who drives recovery** - one **leader** alone starts automatic recovery
+  rounds, so one fault never gets two;
+* **the active round** of a group - whoever asks for a round joins the one
+  running (same work) or is told which one runs (409);
+* **live weight overrides** (``PATCH /admin/ranks/{name}``) - in force in
+  every process and kept across config reloads.
+
+Backends:
+
+* :class:`Coordination` (memory) - a single process: always the leader,
+  rounds and weights in this process, a reload resets weights: exactly the
+  behaviour of a proxy without coordination;
 * :class:`~proxy.coordination.flock.FlockFile` - worker processes on one host
-  (``--workers N``): the leader is whoever holds an exclusive ``flock`` on a
-  file in the replica's run directory; the kernel releases it when that
-  process dies, and the next worker takes over. The leader answers forwarded
-  admin calls on a Unix socket beside it.
+  (``--workers N``): the leader holds an exclusive ``flock``; the others
+  forward round calls to it over a Unix socket; weights in a file;
+* :class:`~proxy.coordination.etcd.Etcd` - any number of replicas and
+  workers: leader lease, rounds and weights in etcd.
 """
 
 from __future__ import annotations
@@ -21,11 +28,17 @@ from pathlib import Path
 
 from aiohttp import web
 
+# How often a process looks at shared weight overrides (well under the 1 s
+# in which a PATCH must be in force everywhere).
+WEIGHTS_EVERY_S = 0.25
+
 
 class Coordination:
     """The memory backend, and the interface the others keep."""
 
     name = "memory"
+    # Rounds are kept in the backend itself (etcd): run them via proxy.coordination.etcd.
+    shared_rounds = False
 
     def __init__(self) -> None:
         self._leader = asyncio.Event()
@@ -41,9 +54,21 @@ class Coordination:
     async def run(self) -> None:
         """Campaign for leadership for the life of the app."""
 
+    async def close(self) -> None:
+        """Give up what this process holds (leadership) at a clean stop."""
+
     @property
     def leader_socket(self) -> Path | None:
         """Where the leader's admin plane answers other processes (None: here)."""
+        return None
+
+    # -- live weights -----------------------------------------------------------
+    async def set_weight(self, rank: str, weight: int) -> bool:
+        """Record an override for every process; False: none is kept (memory)."""
+        return False
+
+    async def weights(self) -> dict[str, int] | None:
+        """The overrides in force (None: this backend keeps none)."""
         return None
 
 

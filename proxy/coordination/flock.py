@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import logging
 import os
 from pathlib import Path
@@ -31,6 +32,25 @@ class FlockFile(Coordination):
     def leader_socket(self) -> Path:
         return self.run_dir / "leader.sock"
 
+    # Weight overrides: one JSON file, replaced atomically; each worker reads
+    # it every WEIGHTS_EVERY_S. Writers take a second lock so two PATCHes on
+    # two workers never lose one another's rank.
+    async def set_weight(self, rank: str, weight: int) -> bool:
+        fd = os.open(self.run_dir / "weights.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a rename only
+            current = _read(self.run_dir / "weights.json")
+            current[rank] = weight
+            tmp = self.run_dir / f"weights.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(current))
+            tmp.replace(self.run_dir / "weights.json")
+        finally:
+            os.close(fd)
+        return True
+
+    async def weights(self) -> dict[str, int] | None:
+        return _read(self.run_dir / "weights.json")
+
     async def run(self) -> None:
         fd = os.open(self.run_dir / "leader.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -50,3 +70,11 @@ class FlockFile(Coordination):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _read(path: Path) -> dict[str, int]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
