@@ -28,7 +28,7 @@ import orjson
 
 from proxy import accesslog
 from proxy.accesslog import End
-from proxy.continuation import Book, Emit, Refusal
+from proxy.continuation import Book, Emit, Refusal, SpliceFailed
 from proxy.errors import ProxyError, error_body
 from proxy.metrics import Metrics
 from proxy.ranks import UNHEALTHY, Rank, group_fault
@@ -176,7 +176,11 @@ class HeldStream:
         if "error" in chunk and "choices" not in chunk:
             out.append(event(data))  # the engine's own error: pass it on, stop
             return UPSTREAM_ERROR
-        emit: Emit = handle(chunk)
+        try:
+            emit: Emit = handle(chunk)
+        except SpliceFailed as e:
+            raise StreamFailed(f"the stream cannot be continued exactly: {e.message}",
+                               e.code) from e  # fmt: skip
         out.extend(event(d) for d in emit.data)
         if emit.aborted:
             self._mark_faulted()
@@ -210,7 +214,11 @@ class HeldStream:
                                "stream_aborted")  # fmt: skip
         while (remaining := self._hold_left()) > 0:
             window = await self._context_window() if self.book.needs_context_window() else None
-            path, body = self.book.continuation(window)
+            try:
+                path, body = await self.book.continuation(self._decode, window)
+            except SpliceFailed as e:
+                raise StreamFailed(f"the stream cannot be continued exactly: {e.message}",
+                                   e.code) from e  # fmt: skip
             try:
                 raw = orjson.dumps(body)
             except orjson.JSONEncodeError as e:  # checked up front; never die silently
@@ -241,17 +249,46 @@ class HeldStream:
         raise StreamFailed(f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s",
                            "hold_timeout")  # fmt: skip
 
-    async def _context_window(self) -> int | None:
-        """The model's context length, from a rank's ``/v1/models``."""
-        out = Outbound("GET", "/v1/models", self.out.headers, b"", self.out.request_id)
+    async def _ask(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        """A side request to any routable rank, within the hold. Not the
+        client's request: the access log does not list its rank."""
+        out = Outbound(method, path, self.out.headers, body, self.out.request_id)
+        token = accesslog.CURRENT.set(None)
         try:
             async with asyncio.timeout(max(self._hold_left(), 0.1)):
                 attempt = await self.relay.open(out, queue_s=self._hold_left())
                 try:
-                    models = orjson.loads(await attempt.response.read())
+                    return attempt.response.status, await attempt.response.read()
                 finally:
                     attempt.response.release()
-        except (TimeoutError, ProxyError, aiohttp.ClientError, orjson.JSONDecodeError):
+        except TimeoutError as e:
+            raise StreamFailed(f"no rank could continue the stream within "
+                               f"{self.cfg.timeout_s:.0f}s", "hold_timeout") from e  # fmt: skip
+        except (ProxyError, aiohttp.ClientError) as e:
+            return 503, str(e).encode()
+        finally:
+            accesslog.CURRENT.reset(token)
+
+    async def _decode(self, ids: list[int]) -> str:
+        """Token ids to text, by a rank's ``/detokenize``."""
+        req: dict[str, Any] = {"tokens": ids}
+        if isinstance(self.book.body.get("model"), str):
+            req["model"] = self.book.body["model"]
+        status, raw = await self._ask("POST", "/detokenize", orjson.dumps(req))
+        try:
+            text = orjson.loads(raw)["prompt"] if status == 200 else None
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            text = None
+        if not isinstance(text, str):
+            raise SpliceFailed("detokenize_failed", f"/detokenize answered {status}: {raw[:200]!r}")
+        return text
+
+    async def _context_window(self) -> int | None:
+        """The model's context length, from a rank's ``/v1/models``."""
+        status, raw = await self._ask("GET", "/v1/models", b"")
+        try:
+            models = orjson.loads(raw) if status == 200 else None
+        except orjson.JSONDecodeError:
             return None
         for m in models.get("data") or [] if isinstance(models, dict) else []:
             if isinstance(m, dict) and isinstance(m.get("max_model_len"), int):

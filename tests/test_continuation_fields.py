@@ -100,11 +100,15 @@ def _book(kind: str, body: dict[str, Any], n: int) -> Book:
     return book
 
 
-def test_continuation_body_follows_the_table() -> None:
+async def _decode(ids: list[int]) -> str:
+    return "".join("" if i == 9 else "a " if i == 1 else "b " for i in ids)
+
+
+async def test_continuation_body_follows_the_table() -> None:
     body = {"model": "m", "prompt": "x", "max_tokens": 20, "min_tokens": 8, "temperature": 0,
             "truncate_prompt_tokens": 4, "truncation_side": "left", "cache_salt": "s",
             "stop": ["zz"], "stream_options": {"include_usage": True}, "user": "u"}  # fmt: skip
-    path, cont = _book("completion", body, 5).continuation()
+    path, cont = await _book("completion", body, 5).continuation(_decode)
     assert path == "/v1/completions"
     assert cont["prompt"] == [9, 1, 2, 3, 4, 5] and cont["max_tokens"] == 15
     assert cont["min_tokens"] == 3 and cont["add_special_tokens"] is False
@@ -113,14 +117,15 @@ def test_continuation_body_follows_the_table() -> None:
     assert "stream_options" not in cont and cont["stream"] is True
 
 
-def test_chat_without_a_budget_gets_the_rest_of_the_window() -> None:
+async def test_chat_without_a_budget_gets_the_rest_of_the_window() -> None:
     book = _book("chat", {"model": "m", "messages": [], "temperature": 0}, 5)
     assert book.needs_context_window()
-    _, cont = book.continuation(max_model_len=100)
+    _, cont = await book.continuation(_decode, max_model_len=100)
     assert cont["max_tokens"] == 100 - 1 - 5
     completions = _book("completion", {"model": "m", "prompt": "x", "temperature": 0}, 5)
     assert not completions.needs_context_window()
-    assert completions.continuation()[1]["max_tokens"] == 16 - 5  # vLLM's default
+    _, cont = await completions.continuation(_decode)
+    assert cont["max_tokens"] == 16 - 5  # vLLM's default
 
 
 async def test_chat_without_max_tokens_is_continued_to_its_full_length(fakes, proxy, http) -> None:

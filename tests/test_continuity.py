@@ -203,44 +203,61 @@ async def test_hold_timeout_ends_with_an_error_event(fakes, proxy, http) -> None
     assert text_of(chunks[:-1]) == detok(fault_free(tokenize("hello"), 5))
 
 
+# A byte-level toy tokenizer: 9 is the prompt, 2-3-4 are the bytes of "€".
+_BYTES = {9: b"x", 1: b"a", 2: b"\xe2", 3: b"\x82", 4: b"\xac", 5: b"b"}
+
+
+async def _decode(ids: list[int]) -> str:
+    return b"".join(_BYTES[i] for i in ids).decode(errors="replace")
+
+
+def _chunk(ids: list[int], text: str, **extra: Any) -> dict[str, Any]:
+    return {"id": "c", "created": 1, "model": "m", "object": "text_completion",
+            "choices": [{"index": 0, "text": text, "token_ids": ids, **extra}]}  # fmt: skip
+
+
 async def test_tokens_with_empty_text_are_not_dropped_at_the_splice() -> None:
     from proxy.continuation import Book
 
     book = Book.for_request("completion", {"prompt": "x", "max_tokens": 4,
                                            "return_token_ids": True})  # fmt: skip
-    book.on_original({"id": "c", "created": 1, "model": "m", "object": "text_completion",
-                      "choices": [{"index": 0, "text": "a", "token_ids": [1],
-                                   "prompt_token_ids": [9]}]})  # fmt: skip
-    book.continuation()
+    book.on_original(_chunk([1], "a", prompt_token_ids=[9]))
+    await book.continuation(_decode)
     emit = book.on_continuation({"choices": [{"text": "", "token_ids": [2]}]})
     assert len(emit.data) == 1 and json.loads(emit.data[0])["choices"][0]["token_ids"] == [2]
 
 
-async def test_greedy_splice_starts_at_the_last_clean_boundary() -> None:
+async def test_greedy_splice_starts_at_the_last_whole_character() -> None:
     from proxy.continuation import Book
 
     book = Book.for_request(
         "completion", {"prompt": "x", "max_tokens": 10, "temperature": 0, "return_token_ids": True}
     )
-    first = {
-        "id": "c",
-        "created": 1,
-        "model": "m",
-        "object": "text_completion",
-        "choices": [{"index": 0, "text": "a", "token_ids": [1], "prompt_token_ids": [9]}],
-    }
-    book.on_original(first)
+    book.on_original(_chunk([1], "a", prompt_token_ids=[9]))
     # Two tokens of one split character: no text released yet.
-    book.on_original({"id": "c", "choices": [{"index": 0, "text": "", "token_ids": [2]}]})
-    book.on_original({"id": "c", "choices": [{"index": 0, "text": "", "token_ids": [3]}]})
-    _, body = book.continuation()
+    book.on_original(_chunk([2], ""))
+    book.on_original(_chunk([3], ""))
+    _, body = await book.continuation(_decode)
     assert body["prompt"] == [9, 1] and body["max_tokens"] == 9
     emit = book.on_continuation({"choices": [{"text": "", "token_ids": [2]}]})
     assert emit.data == []  # replayed id, no text yet: nothing new for the client
-    emit = book.on_continuation({"choices": [{"text": "é", "token_ids": [3, 4]}]})
+    emit = book.on_continuation({"choices": [{"text": "€b", "token_ids": [3, 4, 5]}]})
     chunk = json.loads(emit.data[0])["choices"][0]
-    assert chunk["text"] == "é" and chunk["token_ids"] == [4]
-    assert book.generated == [1, 2, 3, 4]
+    assert chunk["text"] == "€b" and chunk["token_ids"] == [4, 5]
+    assert book.generated == [1, 2, 3, 4, 5]
+
+
+async def test_merged_chunk_ending_inside_a_character_is_not_a_boundary() -> None:
+    # "a" and the first byte of "€" arrive in one chunk that has text: the
+    # chunk says nothing about where the character ends; the ids do.
+    from proxy.continuation import Book
+
+    book = Book.for_request("completion", {"prompt": "x", "max_tokens": 10, "temperature": 0})
+    book.on_original(_chunk([1, 2], "a", prompt_token_ids=[9]))
+    _, body = await book.continuation(_decode)
+    assert body["prompt"] == [9]  # back to the prompt: [9, 1, 2] ends inside "€"
+    emit = book.on_continuation({"choices": [{"text": "a€", "token_ids": [1, 2, 3, 4]}]})
+    assert json.loads(emit.data[0])["choices"][0]["text"] == "€"
 
 
 async def test_a_peer_fault_holds_a_stalled_stream(fakes, proxy, http) -> None:
@@ -279,12 +296,12 @@ def test_common_chunks_take_the_byte_path_and_match_the_parsed_one() -> None:
     assert book.on_original_bytes(chunk(1, "a")) is None  # the first chunk is parsed
     book.on_original(json.loads(chunk(1, "a")))
     fast = book.on_original_bytes(chunk(2, 'b "q" é'))
-    assert fast is not None and book.generated == [1, 2] and book.clean == 2
+    assert fast is not None and book.generated == [1, 2]
     slow = Book.for_request("completion", {"prompt": "x"})
     slow.on_original(json.loads(chunk(1, "a")))
     assert json.loads(fast.data[0]) == json.loads(
         slow.on_original(json.loads(chunk(2, 'b "q" é'))).data[0]
     )
-    assert book.on_original_bytes(chunk(3, "")) is not None and book.clean == 2  # pending text
+    assert book.on_original_bytes(chunk(3, "")) is not None and book.suspects == {3}
     final = chunk(4, "z").replace(b'"finish_reason":null', b'"finish_reason":"length"')
     assert book.on_original_bytes(final) is None  # a finish is parsed

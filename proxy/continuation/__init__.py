@@ -7,8 +7,9 @@ logic, no I/O: the hold-open machinery (:mod:`proxy.holdopen`) does that.
 
 from proxy.continuation.book import ABORT, CHAT, COMPLETION, Book, Emit, hide_ids, text_of
 from proxy.continuation.fields import Refusal, as_bool, refusal
+from proxy.continuation.splice import Decode, SpliceFailed
 
 __all__ = [
-    "ABORT", "CHAT", "COMPLETION", "Book", "Emit", "Refusal", "as_bool", "hide_ids", "refusal",
-    "text_of",
+    "ABORT", "CHAT", "COMPLETION", "Book", "Decode", "Emit", "Refusal", "SpliceFailed", "as_bool",
+    "hide_ids", "refusal", "text_of",
 ]  # fmt: skip

@@ -11,15 +11,15 @@ Which request fields a continuation carries, adjusts, drops or refuses is
 decided in :mod:`proxy.continuation.fields`.
 
 Greedy requests continue token-exact. Sampled requests continue with a fresh
-random state: same distribution, but a ``seed`` does not reproduce the tokens
-after the splice.
+random state: same distribution (a ``seed`` is refused: it could not
+reproduce the tokens after the splice).
 
-Where a character's bytes span several tokens, the text of the first ones is
-still pending when the fault hits, and vLLM cannot decode a token-id prompt
-that ends inside a character. A greedy continuation therefore starts at the
-last clean boundary (the last token whose text was released) and generates
-the pending tokens again: identical ids, now with their text. The client gets
-that text but not the ids a second time.
+Where the continuation starts is decided from token ids, at splice time, by
+:mod:`proxy.continuation.splice`: a whole-character boundary the client's
+text agrees with. Tokens after it are generated again (greedy): the client
+gets neither their ids nor their text a second time; a difference ends the
+stream with ``continuation_diverged``, never with an inexact text. Pure logic:
+decoding is a function the caller passes in.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 
 from proxy.continuation.fields import Refusal, as_bool, as_int, carried, is_greedy
+from proxy.continuation.splice import Decode, SpliceFailed, find_boundary
 
 log = logging.getLogger("ftproxy.continuation")
 
@@ -71,8 +72,12 @@ class Book:
     role_sent: bool = False
     pending: str = ""  # text held back while a stop string could still match
     stops: list[str] = field(default_factory=list)
-    clean: int = 0  # generated tokens whose text has been released
+    # (generated ids after a chunk, its text; a chunk taken on bytes keeps
+    # its bytes, parsed only if a splice needs them)
+    records: list[tuple[int, str | bytes]] = field(default_factory=list)
+    suspects: set[int] = field(default_factory=set)  # ids seen alone with no text
     replay: list[int] = field(default_factory=list)  # ids sent already, generated again
+    skip: str = ""  # text sent already, generated again
     reasoning: bool = False  # a reasoning parser sent reasoning text ...
     answering: bool = False  # ... and then answer text (the reasoning has ended)
 
@@ -100,7 +105,7 @@ class Book:
         if m is None:
             return None
         ids = [int(x) for x in m.group(1).split(b",") if x.strip()]
-        self._count(ids, "" if any(e in data for e in _EMPTY_TEXT) else "x")
+        self._count(ids, data, empty=any(e in data for e in _EMPTY_TEXT))
         if not self.wants_ids:
             data = data[: m.start()] + b'"token_ids":null' + data[m.end() :]
         return Emit([data])
@@ -137,12 +142,26 @@ class Book:
             self.finish_reason = choice["finish_reason"]
         return Emit([self._shown(_dumps(chunk))], finished=self.finish_reason is not None)
 
-    def _count(self, ids: list[int], text: str) -> None:
+    def _count(self, ids: list[int], text: str | bytes, empty: bool | None = None) -> None:
         self.generated.extend(ids)
-        # Released text: every token so far decoded cleanly. With stop strings
-        # vLLM holds text back on its own, so the boundary is not visible.
-        if text or self.stops:
-            self.clean = len(self.generated)
+        if ids or text:
+            self.records.append((len(self.generated), text))
+        if empty is None:
+            empty = not text
+        if len(ids) == 1 and empty and not self.stops:
+            self.suspects.add(ids[0])  # a special token, or part of a character
+
+    def _said(self) -> tuple[str, list[tuple[int, int]]]:
+        """The text the engine sent for the kept ids, and where chunks ended."""
+        parts, marks, n = [], [(0, 0)], 0
+        for k, text in self.records:
+            if isinstance(text, bytes):
+                choice = (orjson.loads(text).get("choices") or [{}])[0]
+                text = text_of(choice, self.kind)
+            parts.append(text)
+            n += len(text)
+            marks.append((k, n))
+        return "".join(parts), marks
 
     def _usage_passthrough(self, chunk: dict[str, Any]) -> Emit:
         if self.spliced or not self.wants_usage or self.usage_sent:
@@ -184,16 +203,19 @@ class Book:
                 return as_int(self.body[key], 16)
         return 16 if self.kind == COMPLETION else None  # vLLM's defaults
 
-    def continuation(self, max_model_len: int | None = None) -> tuple[str, dict[str, Any]]:
-        """(path, body) of the request that continues this one."""
+    async def continuation(
+        self, decode: Decode, max_model_len: int | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """(path, body) of the request that continues this one.
+
+        Raises :class:`SpliceFailed` when no exact continuation exists.
+        """
         self.spliced = True
         if self.prompt_ids is None:  # nothing generated: start over, exactly
             body = copy.deepcopy(self.body)
             body.update(stream=True, return_token_ids=True)
             return self._path(), body
-        if is_greedy(self.body) and self.clean < len(self.generated):
-            self.replay = self.generated[self.clean :] + self.replay
-            del self.generated[self.clean :]
+        await self._rollback(decode)
         body = carried(self.body)
         body.update(prompt=self.prompt_ids + self.generated, stream=True,
                     return_token_ids=True, add_special_tokens=False)  # fmt: skip
@@ -205,6 +227,29 @@ class Book:
         if self.body.get("min_tokens") is not None:
             body["min_tokens"] = max(as_int(self.body["min_tokens"], 0) - len(self.generated), 0)
         return "/v1/completions", body
+
+    async def _rollback(self, decode: Decode) -> None:
+        """Go back to a whole-character boundary the client's text agrees with."""
+        said, marks = self._said()
+        greedy, n = is_greedy(self.body), len(self.generated)
+        # Sampled: the client's ids cannot be generated again.
+        lowest = n if self.wants_ids and not greedy else 0
+        skip_special = as_bool(self.body.get("skip_special_tokens", True))
+        assert self.prompt_ids is not None
+        b = await find_boundary(
+            prompt=self.prompt_ids, generated=self.generated, marks=marks,
+            visible=said + self.skip, suspects=self.suspects, greedy=greedy, lowest=lowest,
+            skip_special=skip_special, decode=decode,
+        )  # fmt: skip
+        if greedy:
+            self.replay = self.generated[b.k :] + self.replay
+        del self.generated[b.k :]
+        self.records = [(b.k, b.text)]
+        self.skip = b.skip
+        self.pending += b.recovered
+        if b.k < n or b.recovered:
+            log.info("splice at %d of %d ids: %d chars again, %d recovered",
+                     b.k, n, len(b.skip), len(b.recovered))  # fmt: skip
 
     def _path(self) -> str:
         return "/v1/chat/completions" if self.kind == CHAT else "/v1/completions"
@@ -220,6 +265,7 @@ class Book:
         text, finish = choice.get("text") or "", choice.get("finish_reason")
         ids = self._skip_replayed(choice.get("token_ids") or [])
         self._count(choice.get("token_ids") or [], text)
+        text = self._skip_said(text)
         if finish == "abort":
             self.pending += text
             return self._aborted(ids)
@@ -240,9 +286,23 @@ class Book:
         """The ids the client has not had yet."""
         n = min(len(self.replay), len(ids))
         if n and ids[:n] != self.replay[:n]:
-            log.warning("greedy replay diverged at the splice: %s != %s", ids[:n], self.replay[:n])
+            raise SpliceFailed(
+                "continuation_diverged",
+                f"the continuation generated {ids[:n]} where the client has {self.replay[:n]}",
+            )
         del self.replay[:n]
         return ids[n:]
+
+    def _skip_said(self, text: str) -> str:
+        """The text the client has not had yet."""
+        n = min(len(self.skip), len(text))
+        if text[:n] != self.skip[:n]:
+            raise SpliceFailed(
+                "continuation_diverged",
+                f"the continuation's text {text[:n]!r} differs from the client's {self.skip[:n]!r}",
+            )
+        self.skip = self.skip[n:]
+        return text[n:]
 
     def _scan(self, text: str, final: bool) -> tuple[str, str | None]:
         """Release text, holding back what a stop string could still match.
