@@ -95,7 +95,7 @@ async def admin_auth(request: web.Request, handler: Handler) -> web.StreamRespon
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
-    raw = await read_body(request, ADMIN_MAX_BODY)
+    raw = await read_body(request, ADMIN_MAX_BODY, request.app[SETTINGS].limits.body_timeout_s)
     parsed = parse_object(raw) if raw.strip() else {}
     try:
         return model.model_validate(parsed)

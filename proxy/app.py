@@ -25,6 +25,7 @@ from proxy.errors import (
 from proxy.feed import Poller, PushFeed
 from proxy.fields import check_fields
 from proxy.inbound import check_api_key, client_request_id, read_body, read_json
+from proxy.limits import RequestLimit
 from proxy.metrics import SAMPLE_EVERY_S, Metrics
 from proxy.ranks import RankTable
 from proxy.recovery import AutoRecovery, Recovery
@@ -145,9 +146,9 @@ async def proxy_v1(request: web.Request) -> web.StreamResponse:
     max_bytes = settings.limits.max_body_bytes
     parsed: dict[str, Any] = {}
     if request.method in ("POST", "PUT", "PATCH"):
-        body, parsed = await read_json(request, max_bytes)
+        body, parsed = await read_json(request, max_bytes, settings.limits.body_timeout_s)
     else:
-        body = await read_body(request, max_bytes)
+        body = await read_body(request, max_bytes, settings.limits.body_timeout_s)
     request_id = request[REQUEST_ID]
     if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
         rec.model = parsed["model"][:200]
@@ -253,6 +254,7 @@ def build_app(
             draining.middleware,
             errors_middleware,
             target_guard,
+            RequestLimit(settings.limits.max_requests).middleware,
             admin.admin_auth,
         ],
         client_max_size=settings.limits.max_body_bytes,

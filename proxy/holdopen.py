@@ -204,6 +204,10 @@ class HeldStream:
 
     # -- continuation ---------------------------------------------------------
     async def _continuation(self) -> Attempt:
+        if self.relay.held > self.relay.settings.limits.max_held_streams:
+            raise StreamFailed(
+                f"the proxy holds its maximum of {self.relay.settings.limits.max_held_streams} "
+                "streams; retry", "hold_capacity")  # fmt: skip
         refused = self.refused or self.book.refusal_now()
         if refused is not None:
             raise StreamFailed(
@@ -313,6 +317,7 @@ class HeldStream:
         if self.held_since is not None:
             return
         self.held_since, self.hold_reason = time.monotonic(), reason
+        self.relay.held += 1
         self.metrics.streams_held.inc()
         if self.access is not None:
             self.access.holds += 1
@@ -324,6 +329,7 @@ class HeldStream:
             return
         held_s = time.monotonic() - self.held_since
         self.held_since = None
+        self.relay.held -= 1
         self.metrics.streams_held.dec()
         self.metrics.hold_seconds.observe(held_s)
         if self.access is not None:

@@ -6,6 +6,7 @@ into an OpenAI-shaped answer for this request alone.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 from collections.abc import Mapping
@@ -36,7 +37,12 @@ def _too_large(max_bytes: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (decoded)")
 
 
-async def read_body(request: web.Request, max_bytes: int) -> bytes:
+class RequestTimeout(ProxyError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+    close_connection = True
+
+
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in _DECODED:
         raise UnsupportedMediaType(
@@ -45,19 +51,24 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
     if request.content_length is not None and request.content_length > max_bytes:
         raise _too_large(max_bytes)
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout_s):  # a slow body holds a socket and a task
+            return await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(max_bytes) from None
     except RequestPayloadError:  # e.g. a gzip body that is not gzip
         raise BodyUnreadable("request body cannot be read or decoded (Content-Encoding?)") from None
 
 
-async def read_json(request: web.Request, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
+async def read_json(
+    request: web.Request, max_bytes: int, timeout_s: float
+) -> tuple[bytes, dict[str, Any]]:
     """The raw (decoded) body and its parsed JSON object."""
     if request.content_type != "application/json":
         got = request.headers.get("Content-Type", "none")
         raise UnsupportedMediaType(f"Content-Type must be application/json, got {got}")
-    raw = await read_body(request, max_bytes)
+    raw = await read_body(request, max_bytes, timeout_s)
     return raw, parse_object(raw)
 
 

@@ -7,6 +7,12 @@ a bad chunk size, an unknown method, an HTTP/2 preface. aiohttp answers them
 from ``RequestHandler.handle_error`` with ``text/plain``. This module
 overrides that one method, so they get ``{"error": {...}}`` JSON too.
 
+It also bounds connections: at most ``limits.max_connections`` at once (a
+connection beyond gets a 503 with ``Retry-After`` and is closed), and a
+connection must complete a request's headers within
+``limits.header_timeout_s`` of opening or of its previous answer (else 408
+and closed), so slow clients cannot hold sockets by dribbling bytes.
+
 It relies on aiohttp internals (the handler class the ``Server`` makes and
 ``handle_error``'s signature), hence the ``aiohttp<4`` pin; tests/test_listener
 fails if they change. What aiohttp cannot answer at all (a connection that
@@ -16,22 +22,92 @@ without an answer.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from http import HTTPStatus
+from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler, _RequestFactory
 from aiohttp.web_request import BaseRequest
 
 from proxy.errors import error_body
+from proxy.settings import Limits
 
 log = logging.getLogger("ftproxy.listener")
 
 _MAX_MESSAGE = 200  # the parser's message can quote the client's bytes
 
 
+def raw_answer(status: int, text: str, code: str, retry_after_s: int | None = None) -> bytes:
+    """A whole HTTP/1.1 error answer, for when there is no request to answer through."""
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    body = json.dumps(error_body(text, type_, code)).encode()
+    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n")  # fmt: skip
+    if retry_after_s is not None:
+        head += f"Retry-After: {retry_after_s}\r\n"
+    return head.encode() + b"\r\n" + body
+
+
 class OpenAIErrorsHandler(RequestHandler):
+    limits: Limits
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        server = self._manager
+        if server is not None and len(server.connections) > self.limits.max_connections:
+            log.warning("connection refused: %d open (limits.max_connections)",
+                        len(server.connections) - 1)  # fmt: skip
+            self._refuse(raw_answer(503, "too many connections; retry", "overloaded", 1))
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def request_started(self) -> None:
+        """A request's headers are in: the header timer stops until its answer ends."""
+        self._disarm_header_timer()
+
+    async def finish_response(
+        self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        result = await super().finish_response(request, resp, start_time)
+        if resp.keep_alive and self.transport is not None and not self.transport.is_closing():
+            self._arm_header_timer()  # the next request's headers are due in time
+        return result
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self._loop.call_later(
+            self.limits.header_timeout_s, self._header_timeout
+        )
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        log.info("closing a connection that sent no complete request headers in %.0fs",
+                 self.limits.header_timeout_s)  # fmt: skip
+        self._refuse(raw_answer(408, "request headers not received in time", "request_timeout"))
+
+    def _refuse(self, answer: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(answer)
+            transport.close()
+
     def handle_error(
         self,
         request: BaseRequest,
@@ -60,15 +136,49 @@ class OpenAIErrorsHandler(RequestHandler):
 
 
 class OpenAIErrorsServer(web.Server):
+    limits: Limits
+
     def __call__(self) -> RequestHandler:
-        return OpenAIErrorsHandler(self, loop=self._loop, **self._kwargs)
+        handler = OpenAIErrorsHandler(self, loop=self._loop, **self._kwargs)
+        handler.limits = self.limits
+        return handler
+
+
+def _tell_handler(factory: _RequestFactory) -> _RequestFactory:
+    """Wrap the request factory: it runs once a request's headers are parsed."""
+
+    def make(
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: RequestHandler,
+        writer: AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> BaseRequest:
+        if isinstance(protocol, OpenAIErrorsHandler):
+            protocol.request_started()
+        return factory(message, payload, protocol, writer, task)
+
+    return make
 
 
 class Runner(web.AppRunner):
-    """An AppRunner whose connections answer parser errors in the OpenAI shape."""
+    """An AppRunner whose connections answer parser errors in the OpenAI shape,
+    with header timeouts and a connection limit."""
+
+    def __init__(self, app: web.Application, limits: Limits, **kwargs: Any) -> None:
+        # aiohttp's keep-alive default is an hour; a proxy's is about a minute.
+        kwargs.setdefault("keepalive_timeout", limits.keepalive_timeout_s)
+        # After an early answer (413, 408), aiohttp reads what the client still
+        # sends for this long before closing; 10 s by default is a slow client's gift.
+        kwargs.setdefault("lingering_time", 1.0)
+        super().__init__(app, **kwargs)
+        self.limits = limits
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         # Same server, same state; only the per-connection handler class differs.
         server.__class__ = OpenAIErrorsServer
+        assert isinstance(server, OpenAIErrorsServer)
+        server.limits = self.limits
+        server.request_factory = _tell_handler(server.request_factory)
         return server

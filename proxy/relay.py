@@ -69,6 +69,8 @@ class Relay:
         self.fresh = fresh
         self.settings = settings
         self.balancer = SmoothWeightedBalancer()
+        self.waiting = 0  # requests waiting for a healthy rank (limits.max_queued)
+        self.held = 0  # streams on hold now (limits.max_held_streams)
 
     async def forward(
         self, request: web.Request, out: Outbound, respond: Respond | None = None
@@ -153,11 +155,16 @@ class Relay:
         if rank is not None or exclude:
             return rank  # a retry never waits: it has somewhere else to fail over to
         queue_s = self.settings.timeouts.queue_s if queue_s is None else queue_s
+        if self.waiting >= self.settings.limits.max_queued:
+            self.metrics.no_rank.inc()
+            raise NoHealthyRank("no healthy rank, and the wait queue is full", retry_after_s=1)
+        self.waiting += 1
         self.metrics.queued.inc()
         since = time.monotonic()
         try:
             await self.table.wait_for(self.table.any_routable, queue_s)
         finally:
+            self.waiting -= 1
             self.metrics.queued.dec()
             self._waited(time.monotonic() - since)
         rank = self.balancer.pick(self.table, exclude)

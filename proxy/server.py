@@ -75,7 +75,11 @@ async def start(
     # handler_cancellation: a client that disconnects cancels its handler,
     # which closes the upstream request at once.
     runner = Runner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        app,
+        settings.limits,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     await runner.setup()
     site: web.BaseSite

@@ -123,6 +123,20 @@ class Hold(BaseModel):
 
 class Limits(BaseModel):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # A connection's request headers must be in within this (from connect or
+    # from its previous answer), its body within body_timeout_s: else 408.
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(60.0, gt=0)
+    keepalive_timeout_s: float = Field(75.0, gt=0)  # idle client connection
+    # Beyond these: 503 with Retry-After. A held stream is a connection and a
+    # request; each holds two descriptors (client and upstream).
+    max_connections: int = Field(10_000, gt=0)
+    max_requests: int = Field(10_000, gt=0)
+    # Requests waiting for a healthy rank (timeouts.queue_s) at once.
+    max_queued: int = Field(1_000, ge=0)
+    # Streams held through a fault at once; one more that needs a continuation
+    # ends with an error event (code hold_capacity).
+    max_held_streams: int = Field(10_000, ge=0)
     # Extra ranks tried when a rank fails before the first byte is sent.
     upstream_retries: int = Field(2, ge=0)
     # Open connections to one rank (held streams each keep one); beyond it a

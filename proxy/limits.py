@@ -1,0 +1,44 @@
+"""Bounds on concurrent work: requests in flight (here), connections and header
+time (proxy.listener), body time (proxy.inbound), the wait queue (proxy.relay)
+and held streams (proxy.holdopen). Beyond a bound the answer is a 503 with
+``Retry-After``, never unbounded memory or tasks."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from proxy.errors import ProxyError
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Probes must answer however busy the proxy is.
+_EXEMPT = frozenset({"/health", "/metrics"})
+
+
+class Overloaded(ProxyError):
+    status, type, code = 503, "server_error", "overloaded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, {"Retry-After": "1"})
+
+
+class RequestLimit:
+    """At most ``limit`` requests in flight; a held stream counts until it ends."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in _EXEMPT:
+            return await handler(request)
+        if self.in_flight >= self.limit:
+            raise Overloaded(f"the proxy is at its limit of {self.limit} requests; retry")
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1

@@ -1,0 +1,137 @@
+"""Limits a production proxy has: slow clients, too many connections, requests,
+waiters and held streams are bounded, and answered in the OpenAI shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from proxy.state import RELAY
+from tests.conftest import replicas, settings_for
+from tests.test_continuity import HOLD, completion, read_stream
+
+FAST = {"header_timeout_s": 0.5, "body_timeout_s": 0.5}
+
+
+async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1]) if answer else 0
+
+
+async def test_slow_headers_are_cut_off(fakes, proxy) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], limits=FAST))
+    conns = [await _open(p.port) for _ in range(7)]
+
+    async def dribble(writer: asyncio.StreamWriter) -> None:
+        try:
+            for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n":
+                writer.write(bytes([byte]))
+                await asyncio.sleep(0.1)
+        except ConnectionError:
+            pass
+
+    started = time.monotonic()
+    tasks = [asyncio.create_task(dribble(w)) for _, w in conns]
+    answers = [await asyncio.wait_for(r.read(), 3) for r, _ in conns]  # EOF: closed
+    assert time.monotonic() - started < 2
+    for answer in answers:
+        assert _status(answer) == 408
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    for t in tasks:
+        t.cancel()
+    for _, w in conns:
+        w.close()
+    assert a.forwarded() == []
+
+
+async def test_idle_keepalive_connection_is_cut_but_long_streams_are_not(fakes, proxy) -> None:
+    a = await fakes(name="a", token_delay_s=0.02)
+    p = await proxy(settings_for([a], limits=FAST))
+    reader, writer = await _open(p.port)
+    body = json.dumps(completion(60)).encode()  # ~1.2 s of tokens: longer than the timeouts
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    started = time.monotonic()
+    got = await asyncio.wait_for(reader.read(), 5)  # the stream, then idle: cut
+    assert time.monotonic() - started > 1.0  # the stream was not cut by the header timer
+    stream, _, after = got.partition(b"data: [DONE]")
+    assert _status(stream) == 200 and stream.count(b'"text"') >= 60
+    assert b"HTTP/1.1 408" in after
+    writer.close()
+
+
+async def test_slow_body_is_408(fakes, proxy) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], limits=FAST))
+    reader, writer = await _open(p.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\"")  # fmt: skip
+    answer = await asyncio.wait_for(reader.read(), 3)
+    assert _status(answer) == 408
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    writer.close()
+    assert a.forwarded() == []
+
+
+async def test_connections_beyond_the_limit_get_503(fakes, proxy, http) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], limits={"max_connections": 3}))
+    conns = [await _open(p.port) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    reader, writer = await _open(p.port)
+    answer = await asyncio.wait_for(reader.read(), 3)
+    assert _status(answer) == 503 and b"Retry-After: 1" in answer
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "overloaded"
+    writer.close()
+    for _, w in conns:
+        w.close()
+    await asyncio.sleep(0.05)
+    async with http.post(p.url + "/tokenize", json={"prompt": "x"}) as r:
+        assert r.status == 200  # room again once they are gone
+
+
+async def test_requests_beyond_the_limit_get_503(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.05)
+    p = await proxy(settings_for([a], limits={"max_requests": 2}))
+
+    async def stream() -> Any:
+        async with http.post(p.url + "/v1/completions", json=completion(10)) as r:
+            return r.status, await r.read()
+
+    slow = [asyncio.create_task(stream()) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    async with http.post(p.url + "/v1/completions", json=completion(1)) as r:
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert (await r.json())["error"]["code"] == "overloaded"
+    async with http.get(p.url + "/health") as r:
+        assert r.status == 200  # probes are exempt
+    assert [s for s, _ in await asyncio.gather(*slow)] == [200, 200]
+
+
+async def test_wait_queue_is_bounded(fakes, proxy, http) -> None:
+    a = await fakes(name="a", status="unhealthy")
+    p = await proxy(settings_for([a], limits={"max_queued": 1}), wait_routable=False)
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+    waiting = asyncio.create_task(http.post(p.url + "/v1/completions", json=body))
+    await asyncio.sleep(0.2)
+    assert p.app[RELAY].waiting == 1
+    async with http.post(p.url + "/v1/completions", json=body) as r:
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert "queue is full" in (await r.json())["error"]["message"]
+    waiting.cancel()
+
+
+async def test_held_streams_beyond_the_limit_end_with_an_error(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=5, auto_recover_s=0.3)
+    b = await fakes(name="b", token_delay_s=0.002)
+    p = await proxy(replicas([a, b], weights=[100, 1], hold=HOLD,
+                             limits={"max_held_streams": 0}))  # fmt: skip
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", completion(30))
+    assert done and chunks[-1]["error"]["code"] == "hold_capacity"
+    assert p.app[RELAY].held == 0
