@@ -178,11 +178,28 @@ class Sample:
     p99: float
 
 
-async def _measure(port: int, pid: int | None, w: Workload, seconds: float) -> Sample:
+async def _measure(
+    port: int, pid: int | None, w: Workload, seconds: float, profile: Path | None = None
+) -> Sample:
+    spy = _profiler(pid, profile, seconds) if pid and profile else None
     c0 = cpu_seconds(pid) if pid else 0.0
     run: Run = await drive("127.0.0.1", port, w.concurrency, seconds, w.stream, w.asks)
+    if spy is not None:
+        spy.wait(30)
     cpu = (cpu_seconds(pid) - c0) / max(run.units, 1) * 1e6 if pid else float("nan")
     return Sample(run.rate, cpu, run.pct(0.5), run.pct(0.99))
+
+
+def _profiler(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes] | None:
+    """py-spy on the relay while it is measured: a flame graph (.svg) or raw stacks."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        print("-- no profile: install the bench extra (py-spy)", file=sys.stderr)
+        return None
+    cmd = [spy, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "200",
+           "-o", str(out), "--nonblocking",
+           "-f", "flamegraph" if out.suffix == ".svg" else "raw"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _median(samples: list[Sample]) -> Sample:
@@ -193,7 +210,9 @@ def _median(samples: list[Sample]) -> Sample:
                   med(lambda s: s.p50), med(lambda s: s.p99))  # fmt: skip
 
 
-def run_all(names: list[str], seconds: float, reps: int) -> dict[str, dict[str, Sample]]:
+def run_all(
+    names: list[str], seconds: float, reps: int, profile: Path | None = None
+) -> dict[str, dict[str, Sample]]:
     import uvloop
 
     with tempfile.TemporaryDirectory() as tmpdir:
@@ -226,7 +245,10 @@ def run_all(names: list[str], seconds: float, reps: int) -> dict[str, dict[str, 
                     for w in WORKLOADS:
                         for name, (port, p) in procs.items():
                             pid = p.pid if p else None
-                            s = await _measure(port, pid, w, seconds)
+                            spy = None
+                            if profile and name == "ft-proxy" and rep == 0:
+                                spy = profile.with_name(f"{profile.stem}-{w.key}{profile.suffix}")
+                            s = await _measure(port, pid, w, seconds, spy)
                             samples[name].setdefault(w.key, []).append(s)
                             print(f"   rep {rep + 1} {w.key:8} {name:12} {s}", file=sys.stderr)
 
@@ -304,10 +326,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--only", default=",".join(TARGETS), help="comma-separated targets")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--profile", type=Path,
+                        help="py-spy ft-proxy: PATH-{streams,small}.svg (other: raw)")  # fmt: skip
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n in TARGETS]
     try:
-        res = run_all(names, args.seconds, args.reps)
+        res = run_all(names, args.seconds, args.reps, args.profile)
     except Invalid as e:
         print(f"\nRUN REJECTED: a relayed answer was wrong, so no figures: {e}", file=sys.stderr)
         sys.exit(2)
