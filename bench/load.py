@@ -42,6 +42,7 @@ class _Conn(asyncio.Protocol):
         self.body: list[bytes] = []
         self.first = 0.0
         self.lost = False
+        self.keep_alive = True  # read at the end of each answer; the parser forgets it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -60,6 +61,7 @@ class _Conn(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
@@ -91,7 +93,7 @@ async def drive(
     async def worker() -> None:
         conn: _Conn | None = None
         while time.perf_counter() < deadline:
-            if conn is None or conn.lost or not conn.parser.should_keep_alive():
+            if conn is None or conn.lost or not conn.keep_alive:
                 if conn is not None and conn.transport is not None:
                     conn.transport.close()
                 _, conn = await loop.create_connection(_Conn, host, port)

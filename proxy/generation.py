@@ -31,6 +31,7 @@ from proxy.continuation import (
 from proxy.errors import error_body
 from proxy.holdopen import Collector, HeldStream
 from proxy.relay import Attempt, Outbound, Relay
+from proxy.sink import ChunkSink
 from proxy.upstream import response_headers
 
 KINDS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
@@ -62,7 +63,7 @@ async def _stream(
         return await relay.relay(request, attempt)  # errors pass through as they are
     resp = web.StreamResponse(headers=response_headers(up.headers))
     await resp.prepare(request)
-    await HeldStream(relay, out, book, refused, resp).run(attempt)
+    await HeldStream(relay, out, book, refused, ChunkSink(request, resp)).run(attempt)
     await resp.write_eof()
     return resp
 
