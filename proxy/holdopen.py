@@ -28,6 +28,7 @@ import orjson
 
 from proxy import accesslog
 from proxy.accesslog import End
+from proxy.budget import StreamBudget, backoff_s
 from proxy.continuation import Book, Emit, Refusal, SpliceFailed
 from proxy.errors import ProxyError, error_body
 from proxy.metrics import Metrics
@@ -39,9 +40,11 @@ from proxy.sse import DONE, KEEPALIVE, SSEParser, event
 log = logging.getLogger("ftproxy.hold")
 
 FINISHED, ABORTED, UPSTREAM_ERROR = "finished", "aborted", "upstream error"
+INCOMPLETE = "ended without a finish reason"
 
 # StreamFailed codes as the access log names the end.
-_ENDS = {"hold_timeout": End.HOLD_TIMEOUT, "stream_aborted": End.NOT_CONTINUED,
+_ENDS = {"hold_timeout": End.HOLD_TIMEOUT, "budget_exceeded": End.HOLD_TIMEOUT,
+         "stream_aborted": End.NOT_CONTINUED,
          "continuation_failed": End.UPSTREAM_ERROR}  # fmt: skip
 
 
@@ -89,6 +92,7 @@ class HeldStream:
         self.writing = False
         self.access = accesslog.current()
         self.continuations = 0
+        self.budget = StreamBudget(self.cfg.max_continuations, self.cfg.max_total_s)
         # Cleared at the first event the client gets: its time to first token.
         self.first_pending = self.access is not None and not isinstance(sink, Collector)
 
@@ -115,6 +119,11 @@ class HeldStream:
                 if outcome == UPSTREAM_ERROR:
                     self._ended(End.UPSTREAM_ERROR)
                     break  # its error event already went to the client
+                if outcome == INCOMPLETE:
+                    # Not a fault: continuing would get the same answer again,
+                    # without end (seen: thousands of requests a second).
+                    raise StreamFailed("the rank ended the stream without a finish reason",
+                                       "upstream_incomplete")  # fmt: skip
                 attempt = await self._continuation()
                 handle = self.book.on_continuation
         except StreamFailed as e:
@@ -169,7 +178,7 @@ class HeldStream:
     def _on_event(self, data: bytes, handle: Handle, out: list[bytes]) -> str | None:
         """Turn one upstream event into client events (appended to ``out``)."""
         if data == DONE:
-            return FINISHED if self.book.finish_reason else self._fault("ended unfinished")
+            return FINISHED if self.book.finish_reason else INCOMPLETE
         fast = self.book.on_original_bytes(data) if handle == self.book.on_original else None
         if fast is not None:
             out.extend(event(d) for d in fast.data)
@@ -223,7 +232,15 @@ class HeldStream:
         if not self.book.can_continue():
             raise StreamFailed("the engine aborted this request before its prompt was known",
                                "stream_aborted")  # fmt: skip
+        failures = 0
         while (remaining := self._hold_left()) > 0:
+            if self.budget.sends_left() == 0:
+                raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
+            if failures:
+                await asyncio.sleep(min(backoff_s(failures), remaining))
+                if (remaining := self._hold_left()) <= 0:
+                    break
+            failures += 1
             window = await self._context_window() if self.book.needs_context_window() else None
             try:
                 path, body = await self.book.continuation(self._decode, window)
@@ -234,7 +251,8 @@ class HeldStream:
                 raw = orjson.dumps(body)
             except orjson.JSONEncodeError as e:  # checked up front; never die silently
                 raise StreamFailed(f"the continuation cannot be sent: {e}", "unserializable") from e
-            out = Outbound("POST", path, self.out.headers, raw, self.out.request_id)
+            out = Outbound("POST", path, self.out.headers, raw, self.out.request_id,
+                           max_sent=self.budget.sends_left())  # fmt: skip
             try:
                 # A rank that faults before answering holds the request: bound it.
                 async with asyncio.timeout(remaining):
@@ -243,8 +261,10 @@ class HeldStream:
                 break
             except ProxyError as e:
                 log.info("[%s] continuation not sent yet: %s", self.out.request_id, e.message)
-                await asyncio.sleep(min(1.0, max(remaining, 0)))
                 continue
+            finally:
+                self.budget.sent += out.sent
+                self.out.sent += out.sent  # what the client request cost, in all
             if attempt.response.status == 200:
                 self.resume_mode = "continuation"
                 self.continuations += 1
@@ -257,6 +277,8 @@ class HeldStream:
                          len(self.book.replay))  # fmt: skip
                 return attempt
             await self._continuation_refused(attempt)
+        if self.budget.hold_left(self._held_now()) <= 0:
+            raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
         raise StreamFailed(f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s",
                            "hold_timeout")  # fmt: skip
 
@@ -314,10 +336,18 @@ class HeldStream:
                     attempt.rank.name, status, text[:300])  # fmt: skip
         if status < 500:
             raise StreamFailed(f"the continuation was refused ({status})", "continuation_failed")
+        # Route around it until a newer poll says otherwise; back off, then
+        # try wherever is healthy.
+        self.relay.table.observe(attempt.rank.name, None, "relay", reachable=False,
+                                 reason=f"a continuation was answered {status}")  # fmt: skip
+
+    def _held_now(self) -> float:
+        return time.monotonic() - self.held_since if self.held_since is not None else 0.0
 
     def _hold_left(self) -> float:
-        since = self.held_since if self.held_since is not None else time.monotonic()
-        return since + self.cfg.timeout_s - time.monotonic()
+        """Time left on this hold: the hold timeout or the stream's budget."""
+        held = self._held_now()
+        return min(self.cfg.timeout_s - held, self.budget.hold_left(held))
 
     # -- hold and keepalives ---------------------------------------------------
     def _hold(self, reason: str) -> None:
@@ -337,6 +367,7 @@ class HeldStream:
         held_s = time.monotonic() - self.held_since
         self.held_since = None
         self.relay.held -= 1
+        self.budget.held_s += held_s
         self.metrics.streams_held.dec()
         self.metrics.hold_seconds.observe(held_s)
         if self.access is not None:

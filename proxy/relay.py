@@ -44,6 +44,10 @@ class Outbound:
     body: bytes
     request_id: str
     sent: int = 0  # upstream requests made for it, resends included
+    max_sent: int | None = None  # a cap on them (a held stream's budget)
+
+    def may_send(self) -> bool:
+        return self.max_sent is None or self.sent < self.max_sent
 
 
 @dataclass
@@ -100,6 +104,9 @@ class Relay:
         tried: set[str] = set()
         failures: list[str] = []
         for _ in range(1 + self.settings.limits.upstream_retries):
+            if not out.may_send():
+                failures.append("no upstream request left in this request's budget")
+                break
             rank = await self._pick(frozenset(tried), queue_s)
             if rank is None:
                 break
@@ -107,7 +114,7 @@ class Relay:
             attempt = await self._try(rank, out, failures)
             if attempt is None:
                 continue
-            if attempt.response.status < 500 or not self._has_other(tried):
+            if attempt.response.status < 500 or not self._has_other(tried) or not out.may_send():
                 if (rec := accesslog.current()) is not None:
                     rec.served_by(rank.name, rank.group)
                 return attempt
@@ -126,7 +133,7 @@ class Relay:
                     out.method, url, headers=out.headers, data=out.body
                 )
             except aiohttp.ServerDisconnectedError:
-                if self.fresh is None:
+                if self.fresh is None or not out.may_send():
                     raise
                 # A pooled connection the rank had closed (its keep-alive ran
                 # out as we reused it) is not a rank failure: send once more on

@@ -119,6 +119,10 @@ class Hold(BaseModel):
     keepalive_s: float = Field(2.0, gt=0)  # SSE comment interval while held
     stall_s: float = Field(30.0, gt=0)  # no event this long: hold
     timeout_s: float = Field(180.0, gt=0)  # held this long: error event, end
+    # Per stream, in all (proxy.budget): continuation requests sent, and time
+    # on hold; beyond either, the stream ends with a budget_exceeded event.
+    max_continuations: int = Field(8, ge=0)
+    max_total_s: float = Field(300.0, gt=0)
 
 
 class Limits(BaseModel):

@@ -79,6 +79,10 @@ class FakeRank:
     # earlier one used: the race of a keep-alive running out as it is reused.
     close_reused: bool = False
     closed_reused: int = 0
+    # The mode from the second generation request on ("hang": accept, never answer).
+    then_mode: str | None = None
+    # End streams with [DONE] but no finish_reason (e.g. max_tokens: -1 on some servers).
+    no_finish: bool = False
     # Engine-side resume: a fault pauses streams instead of aborting them.
     resume: bool = False
     # Fault this rank after it has streamed this many tokens (once).
@@ -243,11 +247,16 @@ class FakeRank:
                 raise asyncio.CancelledError
             self._used.add(request.transport)
         self.received.append(body)
-        if self.mode == "reset":
+        mode = self.mode
+        if self.then_mode is not None and len(self.received) > 1:
+            mode = self.then_mode
+        if mode == "hang":
+            await asyncio.Event().wait()
+        if mode == "reset":
             assert request.transport is not None
             request.transport.abort()
             raise asyncio.CancelledError
-        if self.mode == "500":
+        if mode == "500":
             return web.json_response({"error": {"message": "EngineCore encountered an issue"}},
                                      status=500)  # fmt: skip
         await self._healthy.wait()  # a faulted engine holds new requests
@@ -334,6 +343,8 @@ class FakeRank:
                 await resp.write(_sse(s.chunk(text + s.held, "abort", [tok])))
                 break
             text, finish, stop = s.add(detok([tok]), last=i == n - 1)
+            if self.no_finish:
+                finish = stop = None
             chunk = s.chunk(text, finish, [tok], stop)
             if i == 0 and s.want_ids:
                 chunk["choices"][0]["prompt_token_ids"] = prompt

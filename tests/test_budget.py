@@ -1,0 +1,75 @@
+"""Bounded work per request: one client request costs at most 1 + budget
+upstream requests, whatever the upstream does (counted at the fake ranks)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from proxy.budget import BACKOFF_CAP_S, backoff_s
+from tests.conftest import settings_for
+from tests.test_continuity import read_stream
+
+BUDGET = 3
+HOLD = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0, "max_continuations": BUDGET}
+
+
+def body(n: int = 20) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": "hello", "max_tokens": n, "stream": True}
+
+
+def error_of(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    errors = [c["error"] for c in chunks if "error" in c]
+    assert len(errors) == 1, chunks
+    return errors[0]
+
+
+async def metric(http: Any, url: str, name: str) -> float:
+    text = await (await http.get(url + "/metrics")).text()
+    line = next(x for x in text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
+async def test_a_stream_ended_without_finish_reason_is_an_error_not_a_fault(
+    fakes, proxy, http
+) -> None:
+    a = await fakes(name="a", no_finish=True)
+    p = await proxy(settings_for([a], hold=HOLD))
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", body(5))
+    assert error_of(chunks)["code"] == "upstream_incomplete" and done
+    assert len(a.received) == 1  # no continuation: it would end the same way
+    assert await metric(http, p.url, "ftproxy_upstream_requests_per_request_sum") == 1
+
+
+async def test_continuations_answered_500_back_off_within_the_budget(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=5, auto_recover_s=0.01,
+                    then_mode="500")  # fmt: skip
+    p = await proxy(settings_for([a], hold=HOLD))
+    t0 = time.monotonic()
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", body())
+    assert error_of(chunks)["code"] == "budget_exceeded" and done
+    assert len(a.received) == 1 + BUDGET
+    # Backed off between tries (each wait at least half its growing step).
+    least = sum(min(BACKOFF_CAP_S, 0.1 * 2 ** (n - 1)) / 2 for n in range(1, BUDGET))
+    assert time.monotonic() - t0 >= least
+    assert await metric(http, p.url, "ftproxy_upstream_requests_per_request_sum") == 1 + BUDGET
+
+
+async def test_a_hanging_continuation_ends_at_the_total_hold_budget(fakes, proxy, http) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=5, auto_recover_s=0.01,
+                    then_mode="hang")  # fmt: skip
+    p = await proxy(settings_for([a], hold={**HOLD, "max_total_s": 0.5}))
+    t0 = time.monotonic()
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", body())
+    assert error_of(chunks)["code"] == "budget_exceeded" and done
+    assert time.monotonic() - t0 < 3.0
+    assert len(a.received) <= 1 + BUDGET
+
+
+@pytest.mark.parametrize("failures", [1, 2, 5, 50])
+def test_backoff_grows_is_capped_and_jittered(failures: int) -> None:
+    waits = {backoff_s(failures) for _ in range(20)}
+    ceiling = min(BACKOFF_CAP_S, 0.1 * 2 ** (failures - 1))
+    assert all(ceiling / 2 <= w <= ceiling for w in waits) and len(waits) > 1
