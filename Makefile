@@ -36,6 +36,7 @@ test: lint
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.relay
+	$(PY) -m bench.accesslog
 
 clean:
 	rm -rf $(VENV) .rig

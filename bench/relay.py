@@ -109,7 +109,10 @@ def start_proxy(backend: int, port: int, tmp: Path) -> subprocess.Popen[bytes]:
         "shutdown: {ready_delay_s: 0, grace_s: 1}\n"
     )
     cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg)]
-    return subprocess.Popen(pinned(0, cmd), stdout=subprocess.DEVNULL)
+    # The access log (on, as by default) writes a line per request: keep it
+    # off the terminal, in the run's scratch directory.
+    log = (tmp / "ftproxy.log").open("wb")
+    return subprocess.Popen(pinned(0, cmd), stdout=subprocess.DEVNULL, stderr=log)
 
 
 def _nginx() -> str:

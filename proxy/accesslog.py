@@ -13,6 +13,7 @@ is the only value taken from the body.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import re
 import sys
@@ -45,30 +46,24 @@ class End(enum.StrEnum):
 class AccessRecord:
     """What one client request did; fields stay None when they do not apply."""
 
-    __slots__ = (
-        "completion_tokens", "continuations", "end", "group", "hold_s", "holds", "method",
-        "model", "path", "prompt_tokens", "queue_s", "ranks", "request_id", "start",
-        "status", "tokens", "ttfb_s", "usage_raw",
-    )  # fmt: skip
+    # Class-level defaults: a request sets only what happened to it.
+    status = 0
+    model: str | None = None
+    group: str | None = None
+    queue_s = 0.0
+    ttfb_s: float | None = None
+    # Read at write time, so a request cut short still reports its tokens.
+    tokens: Callable[[], tuple[int | None, int | None]] | None = None
+    usage_raw: bytes | None = None  # a whole answer's body, for its usage only
+    holds = 0
+    hold_s = 0.0
+    continuations = 0
+    end: End | None = None
 
     def __init__(self, request_id: str, method: str, path: str) -> None:
         self.request_id, self.method, self.path = request_id, method, path
         self.start = time.monotonic()
-        self.status = 0
-        self.model: str | None = None
-        self.group: str | None = None
         self.ranks: list[str] = []
-        self.queue_s = 0.0
-        self.ttfb_s: float | None = None
-        self.prompt_tokens: int | None = None
-        self.completion_tokens: int | None = None
-        # Read at write time, so a request cut short still reports its tokens.
-        self.tokens: Callable[[], tuple[int | None, int | None]] | None = None
-        self.usage_raw: bytes | None = None  # a whole answer's body, for its usage only
-        self.holds = 0
-        self.hold_s = 0.0
-        self.continuations = 0
-        self.end: End | None = None
 
     def served_by(self, rank: str, group: str) -> None:
         self.ranks.append(rank)
@@ -78,24 +73,30 @@ class AccessRecord:
         if self.ttfb_s is None:
             self.ttfb_s = time.monotonic() - self.start
 
-    def fields(self, duration_s: float) -> dict[str, Any]:
-        """The line's fields, in a stable order."""
-        prompt, completion = self.prompt_tokens, self.completion_tokens
+    def counts(self) -> tuple[int | None, int | None]:
+        """Prompt and completion tokens, if known."""
         if self.tokens is not None:
-            prompt, completion = self.tokens()
-        elif self.usage_raw is not None:
-            prompt, completion = _usage(self.usage_raw)
+            return self.tokens()
+        if self.usage_raw is not None:
+            return _usage(self.usage_raw)
+        return None, None
+
+    def fields(self, now: float) -> dict[str, Any]:
+        """The line's fields, in a stable order (``now``: wall clock)."""
+        prompt, completion = self.counts()
+        # Seconds as measured: rounding costs more CPU than the digits cost bytes.
         return {
+            "ts": iso(now), "level": "INFO", "logger": _LOGGER, "msg": "request",
             "request_id": self.request_id, "method": self.method, "path": self.path,
             "status": self.status, "model": self.model, "group": self.group,
-            "ranks": self.ranks, "queue_s": round(self.queue_s, 4),
-            "ttfb_s": None if self.ttfb_s is None else round(self.ttfb_s, 4),
-            "duration_s": round(duration_s, 4), "prompt_tokens": prompt,
-            "completion_tokens": completion, "holds": self.holds,
-            "hold_s": round(self.hold_s, 4), "continuations": self.continuations,
-            "end": str(self.end) if self.end is not None else None,
+            "ranks": self.ranks, "queue_s": self.queue_s, "ttfb_s": self.ttfb_s,
+            "duration_s": time.monotonic() - self.start, "prompt_tokens": prompt,
+            "completion_tokens": completion, "holds": self.holds, "hold_s": self.hold_s,
+            "continuations": self.continuations, "end": self.end,
         }  # fmt: skip
 
+
+_LOGGER = "ftproxy.access"
 
 CURRENT: ContextVar[AccessRecord | None] = ContextVar("ftproxy_access", default=None)
 # Set for every request, access log on or off: json event logs carry it.
@@ -142,22 +143,16 @@ class AccessLog:
     """
 
     def __init__(self, fmt: str, stream: TextIO | None = None) -> None:
-        self.json = fmt == "json"
+        self.line = _json_line if fmt == "json" else _text_line
         self.stream = stream
-        self.pending: list[str] = []
-        self._schedule: Callable[[], object] | None = None
+        self.pending: list[bytes] = []
 
     def write(self, rec: AccessRecord) -> None:
-        now = time.monotonic()
-        fields = rec.fields(now - rec.start)
-        line = _json_line(fields) if self.json else _text_line(fields)
-        self.pending.append(line)
+        self.pending.append(self.line(rec, time.time()))
         if len(self.pending) == 1:
             self._flush_soon()
 
     def _flush_soon(self) -> None:
-        import asyncio
-
         try:
             asyncio.get_running_loop().call_soon(self.flush)
         except RuntimeError:  # no loop (a benchmark or a unit test): write now
@@ -166,40 +161,61 @@ class AccessLog:
     def flush(self) -> None:
         if not self.pending:
             return
-        lines, self.pending = self.pending, []
+        data, self.pending = b"".join(self.pending), []
         stream = self.stream or sys.stderr
-        stream.write("".join(lines))
-        stream.flush()
+        binary = getattr(stream, "buffer", None)  # skip the text layer when there is one
+        if binary is not None:
+            stream.flush()  # whatever went through the text layer first stays first
+            binary.write(data)
+            binary.flush()
+        else:
+            stream.write(data.decode())
+            stream.flush()
 
 
-def _json_line(fields: dict[str, Any]) -> str:
-    head = {"ts": iso(time.time()), "level": "INFO", "logger": "ftproxy.access", "msg": "request"}
-    return orjson.dumps(head | fields).decode() + "\n"
-
-
-def _text_line(f: dict[str, Any]) -> str:
-    ranks = ",".join(f["ranks"]) or "-"
-    ttfb = "-" if f["ttfb_s"] is None else f"{f['ttfb_s']:.3f}s"
-    tokens = f"{_dash(f['prompt_tokens'])}+{_dash(f['completion_tokens'])}"
-    model = orjson.dumps(f["model"]).decode() if f["model"] is not None else "-"
+def _text_line(rec: AccessRecord, now: float) -> bytes:
+    prompt, completion = rec.counts()
+    ttfb = "-" if rec.ttfb_s is None else f"{rec.ttfb_s:.3f}s"
+    model = "-" if rec.model is None else _quote(rec.model)
     return (
-        f"{iso(time.time())} INFO ftproxy.access [{f['request_id']}] {f['method']} "
-        f"{_quote(f['path'])} {f['status']} model={model} group={_dash(f['group'])} "
-        f"ranks={ranks} queue={f['queue_s']:.3f}s ttfb={ttfb} dur={f['duration_s']:.3f}s "
-        f"tokens={tokens} holds={f['holds']}/{f['hold_s']:.1f}s "
-        f"cont={f['continuations']} end={_dash(f['end'])}\n"
-    )
+        f"{iso(now)} INFO ftproxy.access [{_quote(rec.request_id)}] {rec.method} "
+        f"{_quote(rec.path)} {rec.status} model={model} group={rec.group or '-'} "
+        f"ranks={','.join(rec.ranks) or '-'} queue={rec.queue_s:.3f}s ttfb={ttfb} "
+        f"dur={time.monotonic() - rec.start:.3f}s tokens={_dash(prompt)}+{_dash(completion)} "
+        f"holds={rec.holds}/{rec.hold_s:.1f}s cont={rec.continuations} end={rec.end}\n"
+    ).encode()
+
+
+def _json_line(rec: AccessRecord, now: float) -> bytes:
+    return orjson.dumps(rec.fields(now)) + b"\n"
 
 
 def _dash(v: object) -> str:
     return "-" if v is None else str(v)
 
 
-def _quote(path: str) -> str:
-    # A path is client-chosen: never let it break the line.
-    return path if path.isprintable() and " " not in path else orjson.dumps(path).decode()
+def _quote(text: str) -> str:
+    # Client-chosen (path, model, request id): never let it break the line.
+    return text if text.isprintable() and " " not in text else orjson.dumps(text).decode()
+
+
+class _Clock:
+    """Formats wall-clock times; a busy proxy ends many requests per millisecond."""
+
+    second, second_text, milli, milli_text = -1, "", -1, ""
+
+    @classmethod
+    def iso(cls, t: float) -> str:
+        milli = int(t * 1000)
+        if milli != cls.milli:
+            second = milli // 1000
+            if second != cls.second:
+                stamp = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+                cls.second, cls.second_text = second, stamp
+            cls.milli, cls.milli_text = milli, f"{cls.second_text}.{milli % 1000:03d}Z"
+        return cls.milli_text
 
 
 def iso(t: float) -> str:
     """UTC, milliseconds, ``Z``: the timestamp of every json log line."""
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return _Clock.iso(t)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -74,8 +75,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         resp = await handler(request)
         rec.status = resp.status
-        if not resp.prepared:  # a whole answer: its first byte goes out now
-            rec.first_byte()
+        if rec.ttfb_s is None and not resp.prepared:  # a whole answer: out now
+            rec.ttfb_s = time.monotonic() - rec.start
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
         request.app[METRICS].client_disconnects.inc()
@@ -85,7 +86,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         rec.status, rec.end = 500, End.ERROR
         raise
     finally:
-        rec.end = rec.end or accesslog.end_for(rec.status)
+        if rec.end is None:
+            rec.end = accesslog.end_for(rec.status)
         access.write(rec)
         accesslog.CURRENT.reset(token)
         accesslog.REQUEST_ID.reset(id_token)
