@@ -23,7 +23,7 @@ from proxy.inbound import read_body
 from proxy.ranks import RankTable
 from proxy.recovery import RECOVERED, RoundReport, RoundSpec
 from proxy.settings import ConfigError, load_settings
-from proxy.state import CONFIG_PATH, RECOVERY, SETTINGS, TABLE
+from proxy.state import CONFIG_PATH, SETTINGS, TABLE
 
 log = logging.getLogger("ftproxy.admin")
 
@@ -46,7 +46,7 @@ async def _at_leader(request: web.Request) -> web.Response | None:
     None: this process leads; handle it here.
     """
     coord = request.app[COORD]
-    if coord.is_leader():
+    if coord.is_leader() or coord.shared_rounds:  # etcd: any process runs or joins
         return None
     path = coord.leader_socket
     if path is None or not path.exists():
@@ -136,7 +136,7 @@ async def retry(request: web.Request) -> web.Response:
     body: RetryBody = await _body(request, RetryBody)
     _group_or_404(request, body.group)
     spec = RoundSpec(body.group, wait_unhealthy_s=body.wait_unhealthy_s, recover_s=body.recover_s)
-    return _report_response(await request.app[RECOVERY].run(spec))
+    return _report_response(await request.app[COORD].run_round(spec, "admin"))
 
 
 async def scale_down(request: web.Request) -> web.Response:
@@ -160,7 +160,7 @@ async def scale_down(request: web.Request) -> web.Response:
         params.update(dp_master_ip=body.dp_master_ip, dp_store_port=body.dp_store_port)
     spec = RoundSpec(body.group, "scale_down", params, [r.name for r in survivors],
                      body.wait_unhealthy_s, body.recover_s)  # fmt: skip
-    report = await request.app[RECOVERY].run(spec)
+    report = await request.app[COORD].run_round(spec, "admin")
     if report.outcome == RECOVERED:
         for name in body.removed:  # stop routing to the removed ranks
             await request.app[COORD].set_weight(name, 0)
@@ -173,7 +173,7 @@ async def scale_down(request: web.Request) -> web.Response:
 async def rounds(request: web.Request) -> web.Response:
     if (answer := await _at_leader(request)) is not None:
         return answer
-    return web.json_response({"rounds": request.app[RECOVERY].rounds()})
+    return web.json_response({"rounds": await request.app[COORD].rounds()})
 
 
 async def reload(request: web.Request) -> web.Response:

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import accesslog, admin, drain, generation, models
+from proxy import accesslog, admin, coordination, drain, generation, models
 from proxy.accesslog import AccessLog, AccessRecord, End
 from proxy.coordination import COORD, Coordination
 from proxy.errors import (
@@ -213,6 +213,7 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     app[SESSION] = session
     app[RELAY] = Relay(app[TABLE], session, app[SETTINGS], app[METRICS], fresh)
     app[RECOVERY] = Recovery(app[TABLE], session, app[SETTINGS], app[METRICS])
+    app[COORD].attach(app[RECOVERY])
     yield
     await session.close()
     await fresh.close()
@@ -229,12 +230,18 @@ async def _push(app: web.Application) -> None:
 async def _auto_recovery(app: web.Application) -> None:
     # Only the leader starts rounds: one fault, one round, however many
     # processes watch the same ranks.
-    await app[COORD].wait_leader()
-    await AutoRecovery(app[RECOVERY]).run()
+    coord = app[COORD]
+    await coord.wait_leader()
+    await AutoRecovery(app[RECOVERY], coord.wait_leader, coord.run_round,
+                       coord.wait_round_idle).run()  # fmt: skip
 
 
 async def _coordinate(app: web.Application) -> None:
-    await app[COORD].run()
+    try:
+        await app[COORD].run()
+        await asyncio.Event().wait()  # hold leadership until the app ends
+    finally:
+        await app[COORD].close()
 
 
 async def _sample_metrics(app: web.Application) -> None:
@@ -269,7 +276,7 @@ def build_app(
         app[CONFIG_PATH] = config_path
     app[TABLE] = table = RankTable(settings.groups)
     app[METRICS] = Metrics(table)
-    app[COORD] = coord if coord is not None else Coordination()
+    app[COORD] = coord if coord is not None else coordination.for_settings(settings)
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_background("coordination", _coordinate))
     if app[METRICS].multiprocess:

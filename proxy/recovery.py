@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -118,16 +119,26 @@ class Recovery:
     def running(self, group: str) -> bool:
         return self.active(group) is not None
 
-    async def run(self, spec: RoundSpec, trigger: str = "admin") -> RoundReport:
+    async def run(
+        self,
+        spec: RoundSpec,
+        trigger: str = "admin",
+        round_id: str | None = None,
+        before_fan_out: Callable[[], Awaitable[None]] | None = None,
+        already_sent: bool = False,
+    ) -> RoundReport:
         """Start a round for the group, or join the one running for the same work.
 
         Raises :class:`RoundInProgress` when the running round is for other work.
+        A shared store (proxy.coordination.etcd) passes the round's id, a hook
+        that records "sent" before anything is sent, and ``already_sent`` when
+        it finishes a round a dead process started: then it only watches.
         """
         current = self.active(spec.group)
         if current is None:
-            report = RoundReport(spec.group, uuid.uuid4().hex, spec.instruction)
-            task = asyncio.create_task(self._round(spec, report, trigger),
-                                       name=f"round-{spec.group}")  # fmt: skip
+            report = RoundReport(spec.group, round_id or uuid.uuid4().hex, spec.instruction)
+            coro = self._round(spec, report, trigger, before_fan_out, already_sent)
+            task = asyncio.create_task(coro, name=f"round-{spec.group}")
             current = ActiveRound(spec, report, trigger, task)
             self._rounds[spec.group] = current
         elif not current.spec.same_work(spec):
@@ -143,14 +154,27 @@ class Recovery:
         while (current := self.active(group)) is not None:
             await asyncio.wait([current.task])
 
-    async def _round(self, spec: RoundSpec, report: RoundReport, trigger: str) -> RoundReport:
+    async def _round(
+        self,
+        spec: RoundSpec,
+        report: RoundReport,
+        trigger: str,
+        before_fan_out: Callable[[], Awaitable[None]] | None,
+        already_sent: bool,
+    ) -> RoundReport:
         ranks = self._targets(spec)
-        report.ranks = [RankReport(r.name, r.status) for r in ranks]
+        report.ranks = [RankReport(r.name, r.status, sent=already_sent) for r in ranks]
         started = time.monotonic()
-        log.info("round %s (%s, %s) for group %s: waiting for %s to be unhealthy",
+        names = ", ".join(r.name for r in ranks)
+        log.info("round %s (%s, %s) for group %s: %s",
                  report.round_id, spec.instruction, trigger, spec.group,
-                 ", ".join(r.name for r in ranks))  # fmt: skip
-        if await self._precondition(ranks, spec, report):
+                 "taken over after it was sent: watching only" if already_sent else
+                 f"waiting for {names} to be unhealthy")  # fmt: skip
+        if already_sent:
+            await self._watch(ranks, spec, report)
+        elif await self._precondition(ranks, spec, report):
+            if before_fan_out is not None:
+                await before_fan_out()
             await self._fan_out(ranks, spec, report)
             if all(rr.sent for rr in report.ranks):
                 await self._watch(ranks, spec, report)
@@ -245,10 +269,21 @@ class Recovery:
 class AutoRecovery:
     """Start retry rounds on its own for groups that have it switched on."""
 
-    def __init__(self, recovery: Recovery) -> None:
+    def __init__(
+        self,
+        recovery: Recovery,
+        gate: Callable[[], Awaitable[None]] | None = None,
+        start: Callable[[RoundSpec, str], Awaitable[RoundReport]] | None = None,
+        wait_idle: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self.recovery = recovery
         self.table = recovery.table
         self.metrics = recovery.metrics
+        # gate: returns once this process may start rounds (it leads);
+        # start / wait_idle: a shared round store's, when there is one.
+        self.gate = gate
+        self.start = start or recovery.run
+        self.wait_idle = wait_idle or recovery.wait_idle
 
     async def run(self) -> None:
         groups = [g for g in self.recovery.settings.groups if g.auto_recovery.enabled]
@@ -266,6 +301,8 @@ class AutoRecovery:
                 continue
             delay = cfg.grace_s if attempts == 0 else cfg.backoff_s * 2 ** (attempts - 1)
             await asyncio.sleep(delay)
+            if self.gate is not None:
+                await self.gate()  # leadership may have moved during the grace
             if not self._all_unhealthy(name):
                 self._decide(name, "skipped", "the group changed during the grace period")
                 continue
@@ -273,13 +310,13 @@ class AutoRecovery:
             self._decide(name, "retry", f"attempt {attempts}/{cfg.max_attempts} after {delay:g}s")
             spec = RoundSpec(group=name, wait_unhealthy_s=1.0, recover_s=cfg.recover_s)
             try:
-                report = await self.recovery.run(spec, trigger="auto")
+                report = await self.start(spec, "auto")
             except RoundInProgress as busy:
                 # An operator's round for other work (a scale_down) owns the
                 # group; it is not an attempt of ours. Look again after it.
                 attempts -= 1
                 self._decide(name, "skipped", busy.message)
-                await self.recovery.wait_idle(name)
+                await self.wait_idle(name)
                 continue
             if report.outcome == RECOVERED:
                 attempts = 0

@@ -182,6 +182,36 @@ class Shutdown(BaseModel):
     grace_s: float = Field(30.0, ge=0)
 
 
+class EtcdConfig(BaseModel):
+    """etcd v3 (its JSON gateway, over the HTTP client the proxy already has)."""
+
+    endpoints: list[str] = Field(min_length=1)  # e.g. ["http://etcd-0:2379"]; tried in turn
+    prefix: str = Field("/ftproxy", min_length=1)  # every key lives under it
+    # A leader that stops renewing loses leadership (and a round it runs is
+    # taken over) after this long.
+    lease_ttl_s: int = Field(5, ge=2, le=300)
+    timeout_s: float = Field(2.0, gt=0)
+    ca_file: Path | None = None  # TLS: verify etcd with this CA
+    cert_file: Path | None = None  # TLS client certificate (mutual TLS) ...
+    key_file: Path | None = None  # ... and its key
+    username: str | None = None  # etcd auth (user + password -> token)
+    password: SecretStr | None = None
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} must start with http:// or https://")
+        return [u.rstrip("/") for u in v]
+
+
+class CoordinationConfig(BaseModel):
+    # None: one process coordinates in memory; --workers N on one host uses
+    # a flock. etcd: any number of replicas and workers (proxy.coordination).
+    etcd: EtcdConfig | None = None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="FTPROXY_", env_nested_delimiter="__", extra="forbid"
@@ -197,6 +227,7 @@ class Settings(BaseSettings):
     shutdown: Shutdown = Shutdown()
     # Worker processes sharing the listener (proxy.supervisor); 1: no supervisor.
     workers: int = Field(1, ge=1, le=64)
+    coordination: CoordinationConfig = CoordinationConfig()
     # Optional data-plane API keys (Authorization: Bearer <key>).
     api_keys: list[SecretStr] = []
     log_level: str = "INFO"

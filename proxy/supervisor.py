@@ -134,7 +134,7 @@ def _worker(settings: Settings, config_path: Path | None, sock: socket.socket, r
         signal.signal(sig, signal.SIG_DFL)
     import asyncio
 
-    from proxy.coordination.flock import FlockFile
+    from proxy.coordination import for_settings
     from proxy.server import serve_forever
 
     try:
@@ -143,7 +143,7 @@ def _worker(settings: Settings, config_path: Path | None, sock: socket.socket, r
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve_forever(settings, config_path, sock, FlockFile(run)))
+    asyncio.run(serve_forever(settings, config_path, sock, for_settings(settings, run)))
     return 0
 
 

@@ -25,8 +25,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from proxy.recovery import Recovery, RoundReport, RoundSpec
+    from proxy.settings import Settings
 
 # How often a process looks at shared weight overrides (well under the 1 s
 # in which a PATCH must be in force everywhere).
@@ -43,6 +48,24 @@ class Coordination:
     def __init__(self) -> None:
         self._leader = asyncio.Event()
         self._leader.set()
+        self.recovery: Recovery | None = None
+
+    def attach(self, recovery: Recovery) -> None:
+        """The process's round runner (made with the app's client session)."""
+        self.recovery = recovery
+
+    # -- rounds: here, in this process ------------------------------------------
+    async def run_round(self, spec: RoundSpec, trigger: str) -> RoundReport:
+        assert self.recovery is not None
+        return await self.recovery.run(spec, trigger)
+
+    async def wait_round_idle(self, group: str) -> None:
+        assert self.recovery is not None
+        await self.recovery.wait_idle(group)
+
+    async def rounds(self) -> list[dict[str, Any]]:
+        assert self.recovery is not None
+        return self.recovery.rounds()
 
     def is_leader(self) -> bool:
         return self._leader.is_set()
@@ -73,5 +96,19 @@ class Coordination:
 
 
 Memory = Coordination
+
+
+def for_settings(settings: Settings, run_dir: Path | None = None) -> Coordination:
+    """etcd when configured; else flock with a run directory (workers); else memory."""
+    if settings.coordination.etcd is not None:
+        from proxy.coordination.etcd import Etcd
+
+        return Etcd(settings.coordination.etcd)
+    if run_dir is not None:
+        from proxy.coordination.flock import FlockFile
+
+        return FlockFile(run_dir)
+    return Coordination()
+
 
 COORD = web.AppKey("coordination", Coordination)

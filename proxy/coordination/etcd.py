@@ -1,0 +1,357 @@
+"""etcd: one recovery driver, one round per group, shared weights, any scale.
+
+Spoken over etcd's v3 JSON gateway (``/v3/kv/*``, ``/v3/lease/*``) with the
+aiohttp client the proxy already has: no extra dependency, no gRPC stack, and
+the few calls below are all it needs. Keys under ``prefix``:
+
+``leader``                one process's id, on its lease: it alone starts
+                          automatic rounds and takes over orphaned rounds
+``rounds/<group>``        the group's latest round: id, instruction, params,
+                          targets, state (``waiting`` -> ``sent`` -> ``done``)
+                          and, once done, the report every caller gets
+``rounds/<group>/owner``  the process driving it, on its lease
+``weights/<rank>``        live weight overrides, read by every process every
+                          0.25 s and re-applied after each reload
+
+A round is created with a compare-and-swap, so two callers anywhere never
+start two: the loser joins (same work) or gets 409 (other work). The owner
+writes ``sent`` before it sends anything. When the owner dies its lease
+expires and the leader takes the round over: ``waiting`` -> it runs the
+round from the start under the same id (nothing was sent); ``sent`` -> it
+only watches the ranks and writes the report. Never two fan-outs per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import socket
+import ssl
+import uuid
+from typing import Any
+
+import aiohttp
+
+from proxy.coordination import Coordination
+from proxy.errors import ProxyError, RoundInProgress
+from proxy.recovery import RankReport, RoundReport, RoundSpec
+from proxy.settings import EtcdConfig
+
+log = logging.getLogger("ftproxy.coordination")
+
+JOIN_POLL_S = 0.2  # a joiner looks at the round this often
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _unb64(text: str) -> str:
+    return base64.b64decode(text).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    """etcd's range_end for "every key starting with prefix"."""
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return base64.b64encode(bytes(raw)).decode()
+
+
+class EtcdError(ProxyError):
+    """etcd did not answer or refused; an admin call gets 503."""
+
+    status, type, code = 503, "server_error", "coordination_unavailable"
+
+
+class Client:
+    """The handful of etcd v3 gateway calls the proxy needs."""
+
+    def __init__(self, cfg: EtcdConfig) -> None:
+        self.cfg = cfg
+        self._session: aiohttp.ClientSession | None = None
+        self._token: str | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _ssl(self) -> ssl.SSLContext | None:
+        if not any(u.startswith("https://") for u in self.cfg.endpoints):
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.cfg.ca_file) if self.cfg.ca_file else None)
+        if self.cfg.cert_file is not None:
+            key = str(self.cfg.key_file) if self.cfg.key_file else None
+            ctx.load_cert_chain(str(self.cfg.cert_file), key)
+        return ctx
+
+    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+            connector = aiohttp.TCPConnector(ssl=self._ssl() or True)
+            self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        last: Exception | None = None
+        for endpoint in self.cfg.endpoints:  # the first that answers
+            try:
+                return await self._post(endpoint, path, body)
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                last = e
+        raise EtcdError(f"no etcd endpoint answered {path}: {last!r}")
+
+    async def _post(self, endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert self._session is not None
+        if self.cfg.username and self._token is None:
+            password = self.cfg.password.get_secret_value() if self.cfg.password else ""
+            async with self._session.post(endpoint + "/v3/auth/authenticate",
+                                          json={"name": self.cfg.username,
+                                                "password": password}) as r:  # fmt: skip
+                answer = await r.json(content_type=None)
+                if r.status != 200 or "token" not in answer:
+                    raise EtcdError(f"etcd refused the login: {answer}")
+                self._token = answer["token"]
+        headers = {"Authorization": self._token} if self._token else {}
+        async with self._session.post(endpoint + path, json=body, headers=headers) as r:
+            answer = await r.json(content_type=None)
+        if r.status == 401 and self._token:
+            self._token = None  # expired: log in again next time
+        if r.status != 200:
+            raise EtcdError(f"etcd {path}: HTTP {r.status}: {answer}")
+        return dict(answer)
+
+    # -- kv -----------------------------------------------------------------------
+    async def get(self, key: str) -> tuple[dict[str, Any] | None, int]:
+        """The JSON value and mod revision of ``key`` (None, 0 when absent)."""
+        answer = await self.call("/v3/kv/range", {"key": _b64(key)})
+        for kv in answer.get("kvs") or []:
+            return json.loads(_unb64(kv["value"])), int(kv.get("mod_revision", 0))
+        return None, 0
+
+    async def get_prefix(self, prefix: str) -> dict[str, str]:
+        answer = await self.call(
+            "/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
+        )
+        return {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in answer.get("kvs") or []}
+
+    async def put(self, key: str, value: Any, lease: str | None = None) -> None:
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(json.dumps(value))}
+        if lease:
+            body["lease"] = lease
+        await self.call("/v3/kv/put", body)
+
+    async def delete(self, key: str) -> None:
+        await self.call("/v3/kv/deleterange", {"key": _b64(key)})
+
+    async def create(self, key: str, value: Any, lease: str | None = None,
+                     also: list[tuple[str, Any, str | None]] | None = None,
+                     mod_revision: int = 0) -> bool:  # fmt: skip
+        """Put ``key`` only if it is absent (or still at ``mod_revision``)."""
+        if mod_revision:
+            compare = {"key": _b64(key), "target": "MOD", "mod_revision": str(mod_revision)}
+        else:
+            compare = {"key": _b64(key), "target": "CREATE", "create_revision": "0"}
+        puts = [(key, value, lease), *(also or [])]
+        success = []
+        for k, v, ls in puts:
+            put: dict[str, Any] = {"key": _b64(k), "value": _b64(json.dumps(v))}
+            if ls:
+                put["lease"] = ls
+            success.append({"request_put": put})
+        answer = await self.call("/v3/kv/txn", {"compare": [compare], "success": success})
+        return bool(answer.get("succeeded"))
+
+    # -- leases -------------------------------------------------------------------
+    async def grant(self, ttl: int) -> str:
+        answer = await self.call("/v3/lease/grant", {"TTL": str(ttl)})
+        return str(answer["ID"])
+
+    async def keepalive(self, lease: str) -> bool:
+        """Renew the lease; False when it has already expired."""
+        answer = await self.call("/v3/lease/keepalive", {"ID": lease})
+        return int((answer.get("result") or {}).get("TTL", 0)) > 0
+
+    async def revoke(self, lease: str) -> None:
+        await self.call("/v3/lease/revoke", {"ID": lease})
+
+
+class Etcd(Coordination):
+    name = "etcd"
+    shared_rounds = True
+
+    def __init__(self, cfg: EtcdConfig) -> None:
+        super().__init__()
+        self._leader.clear()
+        self.cfg = cfg
+        self.client = Client(cfg)
+        self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lease: str | None = None
+        self._leased = asyncio.Event()
+        self._taken: set[str] = set()  # rounds this process took over
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def _key(self, *parts: str) -> str:
+        return "/".join([self.cfg.prefix.rstrip("/"), *parts])
+
+    # -- lease and leadership -----------------------------------------------------
+    async def run(self) -> None:
+        """Keep a lease, campaign for leadership, take over orphaned rounds."""
+        every = max(self.cfg.lease_ttl_s / 3, 0.3)
+        while True:
+            try:
+                await self._tick()
+            except EtcdError as e:
+                log.warning("etcd: %s", e)
+                if self.is_leader():  # unsure we still hold it: stop leading
+                    log.warning("etcd unreachable: %s stops leading recovery", self.me)
+                    self._leader.clear()
+            await asyncio.sleep(every)
+
+    async def _tick(self) -> None:
+        if self.lease is None or not await self.client.keepalive(self.lease):
+            if self.is_leader():
+                log.warning("lease lost: %s stops leading recovery", self.me)
+                self._leader.clear()
+            self.lease = await self.client.grant(self.cfg.lease_ttl_s)
+            self._leased.set()
+        if not self.is_leader() and await self.client.create(
+            self._key("leader"), self.me, self.lease
+        ):
+            log.info("%s leads recovery (etcd lease %s)", self.me, self.lease)
+            self._leader.set()
+        if self.is_leader():
+            await self._take_over_orphans()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.lease is not None:
+            with contextlib.suppress(EtcdError):
+                await self.client.revoke(self.lease)  # leadership moves at once
+        await self.client.close()
+
+    # -- rounds -------------------------------------------------------------------
+    async def run_round(self, spec: RoundSpec, trigger: str) -> RoundReport:
+        await self._leased.wait()
+        key = self._key("rounds", spec.group)
+        while True:
+            record, revision = await self.client.get(key)
+            if record is not None and record["state"] != "done":
+                if not _spec(record).same_work(spec):
+                    raise RoundInProgress(
+                        f"round {record['round_id']} ({record['instruction']}) is in progress "
+                        f"for group {spec.group}; wait for it to end, then ask again",
+                        record["round_id"], record["instruction"],
+                    )  # fmt: skip
+                return await self._await_done(key, record["round_id"])
+            round_id = uuid.uuid4().hex
+            fresh = {**_record(spec, round_id, trigger), "state": "waiting", "owner": self.me}
+            owner = (key + "/owner", self.me, self.lease)
+            if await self.client.create(key, fresh, also=[owner], mod_revision=revision):
+                return await self._drive(key, fresh, already_sent=False)
+            # Someone else created one first: look again (join or 409).
+
+    async def _drive(self, key: str, record: dict[str, Any], already_sent: bool) -> RoundReport:
+        assert self.recovery is not None
+
+        async def sent() -> None:  # durable before the first POST goes out
+            await self.client.put(key, {**record, "state": "sent"})
+
+        report = await self.recovery.run(
+            _spec(record), record["trigger"], record["round_id"], sent, already_sent
+        )
+        done = {**record, "state": "done", "report": report.as_dict()}
+        for attempt in range(10):  # the report must land, or joiners wait forever
+            try:
+                await self.client.put(key, done)
+                await self.client.delete(key + "/owner")
+                break
+            except EtcdError as e:
+                log.warning("round %s: report not stored yet (%s)", record["round_id"], e)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        return report
+
+    async def _await_done(self, key: str, round_id: str) -> RoundReport:
+        while True:
+            record, _ = await self.client.get(key)
+            if record is None or record["round_id"] != round_id:
+                raise EtcdError(f"round {round_id} vanished from etcd")
+            if record["state"] == "done":
+                return _report(record["report"])
+            await asyncio.sleep(JOIN_POLL_S)
+
+    async def _take_over_orphans(self) -> None:
+        keys = await self.client.get_prefix(self._key("rounds") + "/")
+        for key, raw in keys.items():
+            if key.endswith("/owner") or key + "/owner" in keys:
+                continue
+            record = json.loads(raw)
+            if record.get("state") == "done" or record["round_id"] in self._taken:
+                continue
+            owner = self.me
+            if not await self.client.create(key + "/owner", owner, self.lease):
+                continue
+            self._taken.add(record["round_id"])
+            sent = record["state"] == "sent"
+            log.warning("round %s of group %s lost its driver (%s); %s takes it over%s",
+                        record["round_id"], record["group"], record.get("owner"), self.me,
+                        ": watching only, it was sent" if sent else "")  # fmt: skip
+            task = asyncio.create_task(self._drive(key, {**record, "owner": owner}, sent))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def wait_round_idle(self, group: str) -> None:
+        key = self._key("rounds", group)
+        while True:
+            record, _ = await self.client.get(key)
+            if record is None or record["state"] == "done":
+                return
+            await asyncio.sleep(JOIN_POLL_S)
+
+    async def rounds(self) -> list[dict[str, Any]]:
+        keys = await self.client.get_prefix(self._key("rounds") + "/")
+        out = []
+        for key, raw in sorted(keys.items()):
+            if key.endswith("/owner"):
+                continue
+            record = json.loads(raw)
+            out.append({
+                "group": record["group"], "active": record["state"] != "done",
+                "state": record["state"], "trigger": record["trigger"],
+                "params": record["params"], "targets": record["targets"],
+                "driver": keys.get(key + "/owner") and json.loads(keys[key + "/owner"]),
+                "report": record.get("report") or {"round_id": record["round_id"],
+                                                   "instruction": record["instruction"],
+                                                   "outcome": "running"},
+            })  # fmt: skip
+        return out
+
+    # -- weights ------------------------------------------------------------------
+    async def set_weight(self, rank: str, weight: int) -> bool:
+        await self.client.put(self._key("weights", rank), weight)
+        return True
+
+    async def weights(self) -> dict[str, int] | None:
+        prefix = self._key("weights") + "/"
+        found = await self.client.get_prefix(prefix)
+        return {k[len(prefix) :]: int(json.loads(v)) for k, v in found.items()}
+
+
+def _record(spec: RoundSpec, round_id: str, trigger: str) -> dict[str, Any]:
+    return {"group": spec.group, "round_id": round_id, "instruction": spec.instruction,
+            "params": spec.params, "targets": spec.targets, "trigger": trigger,
+            "wait_unhealthy_s": spec.wait_unhealthy_s, "recover_s": spec.recover_s}  # fmt: skip
+
+
+def _spec(record: dict[str, Any]) -> RoundSpec:
+    r = record
+    return RoundSpec(r["group"], r["instruction"], r["params"], r["targets"],
+                     r["wait_unhealthy_s"], r["recover_s"])  # fmt: skip
+
+
+def _report(data: dict[str, Any]) -> RoundReport:
+    ranks = [RankReport(**r) for r in data.get("ranks", [])]
+    report = RoundReport(**{k: v for k, v in data.items() if k != "ranks"})
+    report.ranks = ranks
+    return report

@@ -1,0 +1,140 @@
+"""Replicas x workers in front of the same ranks, coordinated through a real
+etcd: one round per fault, one round for concurrent callers, weights
+everywhere, and a dead driver's round finished by another process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from proxy.coordination.etcd import Client
+from proxy.settings import EtcdConfig
+from tests import replicas
+from tests.etcd_server import etcd_server
+from tests.fakes import FakeRank
+
+replica = replicas.replica  # the fixture
+
+TTL_S = 2
+
+
+@pytest.fixture
+def etcd() -> Iterator[str]:
+    with etcd_server() as url:
+        yield url
+
+
+def coordinated(url: str) -> dict[str, Any]:
+    return {"coordination": {"etcd": {"endpoints": [url], "lease_ttl_s": TTL_S}}}
+
+
+async def settle(pred: Any, timeout: float) -> bool:  # noqa: ASYNC109 - a bool, not an error
+    for _ in range(int(timeout / 0.05)):
+        if pred():
+            return True
+        await asyncio.sleep(0.05)
+    return bool(pred())
+
+
+async def recovered_once_more(a: FakeRank, b: FakeRank, n: int, within: float = 8) -> None:
+    ok = await settle(lambda: len(a.applies) >= n and a.status == b.status == "healthy", within)
+    assert ok, (len(a.applies), a.status, b.status)
+    await asyncio.sleep(1.0)  # a second round would have started by now
+    assert len(a.applies) == len(b.applies) == n
+
+
+async def test_three_replicas_two_workers_one_etcd(fakes, replica, etcd) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    reps = [await replica([a, b], workers=2, auto=True, extra=coordinated(etcd))
+            for _ in range(3)]  # fmt: skip
+    # One fault: exactly one retry per rank, with auto-recovery on in all six.
+    a.fault()
+    b.fault()
+    await recovered_once_more(a, b, 1)
+    code, rounds = await reps[2].get("/admin/rounds")
+    assert code == 200 and rounds["rounds"][0]["report"]["outcome"] == "recovered"
+
+    # /admin/retry on two replicas at once: one round, two identical reports.
+    # (auto-recovery joins the same round: same work)
+    a.fault()
+    calls = [asyncio.create_task(r.call("POST", "/admin/retry", {"group": "dp-a"}))
+             for r in reps[:2]]  # fmt: skip
+    await asyncio.sleep(0.4)
+    b.fault()
+    (c1, r1), (c2, r2) = await asyncio.gather(*calls)
+    assert c1 == c2 == 200 and r1 == r2, (r1, r2)
+    await recovered_once_more(a, b, 2)
+
+    # Other work during a round: 409 with the round named, from any replica.
+    a.fault()
+    running = asyncio.create_task(reps[0].call("POST", "/admin/retry", {"group": "dp-a"}))
+    await asyncio.sleep(0.4)
+    code, answer = await reps[1].call(
+        "POST", "/admin/scale_down", {"group": "dp-a", "removed": ["b"]}
+    )
+    assert code == 409 and answer["error"]["code"] == "round_in_progress"
+    b.fault()
+    code, report = await running
+    assert code == 200 and answer["error"]["round_id"] == report["round_id"]
+    await recovered_once_more(a, b, 3)
+
+    # A weight PATCH on one replica is in force on all within a second ...
+    code, _ = await reps[0].call("PATCH", "/admin/ranks/b", {"weight": 0})
+    assert code == 200
+    await asyncio.sleep(1.0)
+
+    async def weights_of_b() -> set[int]:
+        seen = set()
+        for rep in reps:
+            for _ in range(4):
+                _, body = await rep.get("/admin/ranks")
+                seen.add(next(r["weight"] for r in body["ranks"] if r["name"] == "b"))
+        return seen
+
+    assert await weights_of_b() == {0}
+    for rep in reps:  # ... and survives a reload (the config says 1)
+        rep.proc.send_signal(signal.SIGHUP)
+    await asyncio.sleep(0.6)
+    assert await weights_of_b() == {0}
+
+
+async def test_a_dead_driver_or_leader_is_replaced_with_one_fan_out(fakes, replica, etcd) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    reps = [await replica([a, b], workers=2, auto=True, extra=coordinated(etcd))
+            for _ in range(2)]  # fmt: skip
+    client = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        # A round waits for b; kill -9 the process driving it.
+        a.fault()
+        caller = asyncio.create_task(reps[0].call("POST", "/admin/retry", {"group": "dp-a"}))
+        await asyncio.sleep(0.5)
+        owner, _ = await client.get("/ftproxy/rounds/dp-a/owner")
+        record, _ = await client.get("/ftproxy/rounds/dp-a")
+        assert owner is not None and record["state"] == "waiting"
+        os.kill(int(owner.split(":")[1]), signal.SIGKILL)
+        b.fault()
+        # Another process finishes it within the lease TTL (+ its poll).
+        assert await settle(lambda: a.status == b.status == "healthy", TTL_S + 4)
+        await asyncio.sleep(1.0)
+        assert len(a.applies) == len(b.applies) == 1
+        assert {x["request_id"] for x in a.applies + b.applies} == {record["round_id"]}
+        done, _ = await client.get("/ftproxy/rounds/dp-a")
+        assert done["round_id"] == record["round_id"] and done["state"] == "done"
+        assert done["report"]["outcome"] == "recovered"
+        caller.cancel()
+
+        # kill -9 of the leader: the next fault is still recovered, once.
+        leader, _ = await client.get("/ftproxy/leader")
+        os.kill(int(leader.split(":")[1]), signal.SIGKILL)
+        a.fault()
+        b.fault()
+        await recovered_once_more(a, b, 2, within=TTL_S + 6)
+        now, _ = await client.get("/ftproxy/leader")
+        assert now != leader
+    finally:
+        await client.close()
