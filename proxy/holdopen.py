@@ -164,14 +164,7 @@ class HeldStream:
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             log.info("[%s] upstream %s lost: %r", self.out.request_id, attempt.rank.name, e)
         finally:
-            up = attempt.response
-            # A stream read to its end leaves a connection the rank keeps open:
-            # pool it (a new connection per stream costs a handshake and the
-            # first event's latency). Anything else closes, so the rank aborts.
-            if up.content.is_eof() and not up.content.exception() and self.book.finish_reason:
-                up.release()
-            else:
-                up.close()
+            attempt.response.close()
             self.upstream = None
         return FINISHED if self.book.finish_reason else self._fault("connection lost")
 

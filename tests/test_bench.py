@@ -42,17 +42,19 @@ def test_bytes_are_vllms_own() -> None:
     chunk = proto.CompletionStreamResponse(
         id="cmpl-a", object="text_completion", created=5, model="m", choices=[choice]
     )
-    assert vb.stream_chunk("cmpl-a", 5, "m", ' a"', [3], [1, 2]) == chunk.model_dump_json(
-        exclude_unset=True
-    ).encode()
+    assert (
+        vb.stream_chunk("cmpl-a", 5, "m", ' a"', [3], [1, 2])
+        == chunk.model_dump_json(exclude_unset=True).encode()
+    )
     usage = proto.CompletionStreamResponse(
         id="cmpl-a", created=5, model="m", choices=[],
         usage=usage_info(prompt_tokens=2, completion_tokens=3, total_tokens=5),
         system_fingerprint=None, metrics=None,
     )  # fmt: skip
-    assert vb.usage_chunk("cmpl-a", 5, "m", 2, 3) == usage.model_dump_json(
-        exclude_unset=False, exclude_none=True
-    ).encode()
+    assert (
+        vb.usage_chunk("cmpl-a", 5, "m", 2, 3)
+        == usage.model_dump_json(exclude_unset=False, exclude_none=True).encode()
+    )
     whole = proto.CompletionResponse(
         id="cmpl-a", created=5, model="m",
         choices=[proto.CompletionResponseChoice(
