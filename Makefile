@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ftproxy-installed
 
-.PHONY: setup demo test lint unit e2e bench clean
+.PHONY: setup demo test lint unit e2e bench soak clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.relay
 	$(PY) -m bench.accesslog
+
+# Real-engine soak: 20 injected faults per mode (abort, resume), every answer
+# checked against a fault-free oracle; prints the table (about 25 minutes).
+soak: setup
+	$(PY) -m bench.soak --faults $(or $(FAULTS),20)
 
 clean:
 	rm -rf $(VENV) .rig

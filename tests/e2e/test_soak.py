@@ -1,0 +1,42 @@
+"""Short real-engine soak in CI: a few faults per mode, every answer exact.
+
+The full soak is ``make soak`` (20 faults per mode, table in the README); this
+runs the same rounds (bench/soak.py) with ``FTPROXY_SOAK_FAULTS`` faults per
+mode (default 3) on the e2e rigs, and fails on any lost or extra id, text
+difference, client error or hang. Resume mode runs first: the rig pool still
+holds that mode's rig after the continuity tests.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import pytest
+
+from bench.soak import run_mode
+from bench.soak_report import differences, render
+from tests.e2e.conftest import RigPool
+
+pytestmark = pytest.mark.e2e
+
+
+ABORT_TEXT = pytest.mark.xfail(
+    reason="issue 8: after vLLM's abort a whole answer repeats its partial text "
+    "(and a splice can echo prompt text); the splice rewrite removes this xfail",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize(
+    "resume", [True, pytest.param(False, marks=ABORT_TEXT)], ids=["engine-resume", "vllm-abort"]
+)
+async def test_soak_every_answer_matches_the_oracle(rig_pool: RigPool, resume: bool) -> None:
+    live = rig_pool.get(resume=resume)
+    faults = int(os.environ.get("FTPROXY_SOAK_FAULTS", "3"))
+    rounds = await run_mode(live.cfg, live.trigger, faults, seed=1)
+    mode = "resume" if resume else "abort"
+    raw = [asdict(r) for r in rounds]
+    print(render({"modes": {mode: raw}}))
+    assert all(r.fired and r.recovered for r in rounds), "a fault did not fire or recover"
+    assert differences(mode, raw) == []
