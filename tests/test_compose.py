@@ -38,7 +38,7 @@ def test_compose_file_is_valid_with_cpu_default_and_gpu_profile() -> None:
     assert cpu == {"model", "rank0", "rank1"} and gpu == {"gpu-rank0", "gpu-rank1"}
     assert "profiles" not in services["proxy"]  # the proxy runs with either profile
     for name in ("proxy", "rank0", "rank1", "gpu-rank0", "gpu-rank1"):
-        assert services[name]["healthcheck"]["test"][0] == "CMD", name
+        assert services[name]["healthcheck"]["test"][0] == "CMD-SHELL", name
     for name in ("gpu-rank0", "gpu-rank1"):  # same host names as the CPU ranks
         alias = services[name]["networks"]["default"]["aliases"][0]
         assert alias == name.removeprefix("gpu-")
