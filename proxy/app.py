@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from proxy.state import (
     SETTINGS,
     TABLE,
 )  # fmt: skip
+from proxy.supervise import supervised
 from proxy.target import parse_forward, target_guard
 from proxy.upstream import make_session, request_headers
 
@@ -197,7 +199,9 @@ def _background(
     """A cleanup_ctx that runs a task for the app's life, then cancels it."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(make(app), name=key)
+        # Restarted with backoff if it dies (proxy.supervise).
+        run = supervised(key, partial(make, app), app[METRICS].task_restarts)
+        task = asyncio.create_task(run, name=key)
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -220,7 +224,8 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _poll(app: web.Application) -> None:
-    await Poller(app[TABLE], app[SESSION], app[SETTINGS].timeouts).run()
+    await Poller(app[TABLE], app[SESSION], app[SETTINGS].timeouts,
+                 app[METRICS].task_restarts).run()  # fmt: skip
 
 
 async def _push(app: web.Application) -> None:

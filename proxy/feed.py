@@ -15,14 +15,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
 import aiohttp
+from prometheus_client import Counter
 
 from engine_ext import protocol
+from proxy import feedmsg
+from proxy.feedmsg import Sequencer
 from proxy.metrics import Metrics
 from proxy.ranks import HEALTHY, UNHEALTHY, UNKNOWN, Rank, RankTable
 from proxy.settings import Timeouts
+from proxy.supervise import supervised
 
 log = logging.getLogger("ftproxy.feed")
 
@@ -30,16 +35,21 @@ K = TypeVar("K")
 
 
 async def follow(
-    wanted: Callable[[], set[K]], start: Callable[[K], Coroutine[Any, Any, None]], every_s: float
+    wanted: Callable[[], set[K]],
+    start: Callable[[K], Coroutine[Any, Any, None]],
+    every_s: float,
+    name: str = "follow",
+    restarts: Counter | None = None,
 ) -> None:
     """Keep one task per wanted key, re-checked every ``every_s`` (config
-    reloads add and remove ranks); cancel them all when cancelled."""
+    reloads add and remove ranks), each restarted if it dies (counted under
+    ``name``); cancel them all when cancelled."""
     tasks: dict[K, asyncio.Task[None]] = {}
     try:
         while True:
             keys = wanted()
             for key in keys - tasks.keys():
-                tasks[key] = asyncio.create_task(start(key))
+                tasks[key] = asyncio.create_task(supervised(name, partial(start, key), restarts))
             for key in tasks.keys() - keys:
                 tasks.pop(key).cancel()
             await asyncio.sleep(every_s)
@@ -70,12 +80,16 @@ def summarize(body: Any) -> tuple[str, dict[str, Any]]:
 class Poller:
     """One task per rank: poll its FT status every interval."""
 
-    def __init__(self, table: RankTable, session: aiohttp.ClientSession, t: Timeouts) -> None:
-        self.table, self.session, self.t = table, session, t
+    def __init__(
+        self, table: RankTable, session: aiohttp.ClientSession, t: Timeouts,
+        restarts: Counter | None = None,
+    ) -> None:  # fmt: skip
+        self.table, self.session, self.t, self.restarts = table, session, t, restarts
         self._no_ft: set[str] = set()  # ranks whose FT endpoint answered 404
 
     async def run(self) -> None:
-        await follow(lambda: set(self.table.ranks), self._poll_forever, self.t.poll_interval_s)
+        await follow(lambda: set(self.table.ranks), self._poll_forever, self.t.poll_interval_s,
+                     "poller", self.restarts)  # fmt: skip
 
     async def _poll_forever(self, name: str) -> None:
         while (rank := self.table.ranks.get(name)) is not None:
@@ -86,7 +100,7 @@ class Poller:
         sent_at = time.monotonic()  # an answer is at least as fresh as this
         try:
             status, detail = await self._read_status(rank)
-        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError) as e:
             # A failure is known only now: stamped now, so it outranks every
             # answer before it and holds until a newer poll succeeds.
             reason = f"poll failed: {type(e).__name__}"
@@ -118,7 +132,8 @@ class PushFeed:
         def feeds() -> set[tuple[str, str]]:
             return {(r.name, r.status_feed) for r in self.table if r.status_feed}
 
-        await follow(feeds, lambda key: self._subscribe(*key), 1.0)
+        await follow(feeds, lambda key: self._subscribe(*key), 1.0, "push-feed",
+                     self.metrics.task_restarts)  # fmt: skip
 
     async def _subscribe(self, name: str, address: str) -> None:
         import zmq
@@ -130,15 +145,32 @@ class PushFeed:
         sock.setsockopt(zmq.SUBSCRIBE, protocol.TOPIC)
         sock.connect(address)
         silence_s = protocol.HEARTBEAT_INTERVAL_S * self.t.feed_silence_intervals
+        order = Sequencer()
+        # Silence is measured from the last message taken: a stream of junk
+        # is silence too.
+        deadline = time.monotonic() + silence_s
         try:
             while True:
-                if await sock.poll(timeout=int(silence_s * 1000)):
-                    self._apply(name, protocol.decode(await sock.recv_multipart()))
-                else:
+                wait_ms = int((deadline - time.monotonic()) * 1000)
+                if wait_ms > 0 and await sock.poll(timeout=wait_ms):
+                    if self._take(name, await sock.recv_multipart(), order):
+                        deadline = time.monotonic() + silence_s
+                elif time.monotonic() >= deadline:
                     self._silent(name, silence_s)
+                    deadline = time.monotonic() + silence_s
         finally:
             with contextlib.suppress(Exception):
                 sock.close()
+
+    def _take(self, name: str, frames: list[bytes], order: Sequencer) -> bool:
+        try:
+            msg = feedmsg.parse(frames)
+            order.take(msg)
+        except feedmsg.Dropped as d:
+            self.metrics.feed_dropped.labels(d.reason).inc()
+            return False
+        self._apply(name, msg.body())
+        return True
 
     def _apply(self, name: str, msg: dict[str, Any] | None) -> None:
         rank = self.table.ranks.get(name)

@@ -68,6 +68,14 @@ class Metrics:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         r = self.registry
+        self.task_restarts = Counter(
+            "ftproxy_task_restarts", "Background tasks restarted after dying, by task",
+            ["task"], registry=r,
+        )  # fmt: skip
+        self.feed_dropped = Counter(
+            "ftproxy_feed_messages_dropped", "Status-feed messages dropped unread, by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.requests = Counter(
             "ftproxy_requests", "Requests answered, by rank and HTTP code",
             ["rank", "code"], registry=r,
