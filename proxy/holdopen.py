@@ -174,7 +174,8 @@ class HeldStream:
             return FINISHED if self.book.finish_reason else INCOMPLETE
         fast = self.book.on_original_bytes(data) if handle == self.book.on_original else None
         if fast is not None:
-            out.extend(event(d) for d in fast.data)
+            for d in fast.data:
+                out.append(b"data: " + d + b"\n\n")  # event(d), inlined: per event
             return None
         try:
             chunk = orjson.loads(data)

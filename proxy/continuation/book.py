@@ -101,13 +101,20 @@ class Book:
         if (self.template is None or self.spliced or data.count(b'"finish_reason":null') != 1
                 or b'"prompt_token_ids":[' in data or b'"index":0' not in data):  # fmt: skip
             return None
-        m = _IDS.search(data)
-        if m is None:
+        # Plain finds, not _IDS: this runs for every event of every stream.
+        # vLLM writes compact JSON; spaced JSON takes the parsing path.
+        start = data.find(b'"token_ids":[')
+        end = data.find(b"]", start)
+        if start < 0 or end < 0:
             return None
-        ids = [int(x) for x in m.group(1).split(b",") if x.strip()]
-        self._count(ids, data, empty=any(e in data for e in _EMPTY_TEXT))
+        inner = data[start + 13 : end]
+        if b"," in inner:
+            ids = [int(x) for x in inner.split(b",")]
+        else:
+            ids = [int(inner)] if inner else []
+        self._count(ids, data, empty=b'"text":""' in data or b'"content":""' in data)
         if not self.wants_ids:
-            data = data[: m.start()] + b'"token_ids":null' + data[m.end() :]
+            data = data[:start] + b'"token_ids":null' + data[end + 1 :]
         return Emit([data])
 
     def on_original(self, chunk: dict[str, Any]) -> Emit:
@@ -386,6 +393,3 @@ def hide_ids(data: bytes) -> bytes:
     """Null the token-id fields of a whole answer, as vLLM sends them unasked."""
     data = _IDS.sub(b'"token_ids":null', data)
     return _PROMPT_IDS.sub(b'"prompt_token_ids":null', data)
-
-
-_EMPTY_TEXT = (b'"text":""', b'"content":""')
