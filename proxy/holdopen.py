@@ -115,7 +115,9 @@ class HeldStream:
             if attempt is None:
                 self._hold("aborted by the engine")
                 attempt, handle = await self._continuation(), self.book.on_continuation
-            while (outcome := await self._pump(attempt, handle)) != FINISHED:
+            while (
+                attempt is not None and (outcome := await self._pump(attempt, handle)) != FINISHED
+            ):
                 if outcome == UPSTREAM_ERROR:
                     self._ended(End.UPSTREAM_ERROR)
                     break  # its error event already went to the client
@@ -126,6 +128,10 @@ class HeldStream:
                                        "upstream_incomplete")  # fmt: skip
                 attempt = await self._continuation()
                 handle = self.book.on_continuation
+            if attempt is None:  # nothing left to generate: the answer ends here
+                self._unhold(None)
+                for data in self.book.finish_here():
+                    await self._write(event(data))
         except StreamFailed as e:
             log.warning("[%s] stream ends with an error: %s", self.out.request_id, e)
             self._ended(_ENDS.get(e.code, End.UPSTREAM_ERROR))
@@ -213,7 +219,7 @@ class HeldStream:
         return ABORTED
 
     # -- continuation ---------------------------------------------------------
-    async def _continuation(self) -> Attempt:
+    async def _continuation(self) -> Attempt | None:
         if self.relay.held > self.relay.settings.limits.max_held_streams:
             raise StreamFailed(
                 f"the proxy holds its maximum of {self.relay.settings.limits.max_held_streams} "
@@ -237,10 +243,13 @@ class HeldStream:
             failures += 1
             window = await self._context_window() if self.book.needs_context_window() else None
             try:
-                path, body = await self.book.continuation(self._decode, window)
+                planned = await self.book.continuation(self._decode, window)
             except SpliceFailed as e:
                 raise StreamFailed(f"the stream cannot be continued exactly: {e.message}",
                                    e.code) from e  # fmt: skip
+            if planned is None:
+                return None
+            path, body = planned
             try:
                 raw = orjson.dumps(body)
             except orjson.JSONEncodeError as e:  # checked up front; never die silently
@@ -264,7 +273,7 @@ class HeldStream:
                 self.continuations += 1
                 if self.access is not None:
                     self.access.continuations += 1
-                kind = "restart" if self.book.prompt_ids is None else "continuation"
+                kind = "restart" if self.book.restarted else "continuation"
                 self.metrics.splices.labels(kind).inc()
                 log.info("[%s] abort + %s on %s after %d tokens (%d sent again as text only)",
                          self.out.request_id, kind, attempt.rank.name, len(self.book.generated),

@@ -78,6 +78,7 @@ class Book:
     suspects: set[int] = field(default_factory=set)  # ids seen alone with no text
     replay: list[int] = field(default_factory=list)  # ids sent already, generated again
     skip: str = ""  # text sent already, generated again
+    restarted: bool = False  # the upstream now is the request itself, sent again
     reasoning: bool = False  # a reasoning parser sent reasoning text ...
     answering: bool = False  # ... and then answer text (the reasoning has ended)
 
@@ -212,16 +213,20 @@ class Book:
 
     async def continuation(
         self, decode: Decode, max_model_len: int | None = None
-    ) -> tuple[str, dict[str, Any]]:
-        """(path, body) of the request that continues this one.
+    ) -> tuple[str, dict[str, Any]] | None:
+        """(path, body) of the request that continues this one; None when
+        the budget is spent (the abort chunk carried the last tokens): then
+        :meth:`finish_here` ends the answer.
 
         Raises :class:`SpliceFailed` when no exact continuation exists.
         """
         self.spliced = True
-        if self.prompt_ids is None:  # nothing generated: start over, exactly
+        self.restarted = self.prompt_ids is None
+        if self.restarted:  # nothing generated: start over, exactly
             body = copy.deepcopy(self.body)
             body.update(stream=True, return_token_ids=True)
             return self._path(), body
+        assert self.prompt_ids is not None
         await self._rollback(decode)
         body = carried(self.body)
         body.update(prompt=self.prompt_ids + self.generated, stream=True,
@@ -230,7 +235,9 @@ class Book:
         if limit is None and max_model_len is not None:
             limit = max_model_len - len(self.prompt_ids)
         if limit is not None:
-            body["max_tokens"] = max(limit - len(self.generated), 1)
+            if limit <= len(self.generated):
+                return None
+            body["max_tokens"] = limit - len(self.generated)
         if self.body.get("min_tokens") is not None:
             body["min_tokens"] = max(as_int(self.body["min_tokens"], 0) - len(self.generated), 0)
         return "/v1/completions", body
@@ -247,6 +254,7 @@ class Book:
             prompt=self.prompt_ids, generated=self.generated, marks=marks,
             visible=said + self.skip, suspects=self.suspects, greedy=greedy, lowest=lowest,
             skip_special=skip_special, decode=decode,
+            held_max=max((len(s) - 1 for s in self.stops), default=0),
         )  # fmt: skip
         if greedy:
             self.replay = self.generated[b.k :] + self.replay
@@ -263,7 +271,7 @@ class Book:
 
     def on_continuation(self, chunk: dict[str, Any]) -> Emit:
         """A ``/v1/completions`` chunk of the continuation, in the client's shape."""
-        if self.prompt_ids is None:  # a restart speaks the client's shape already
+        if self.restarted:  # a restart speaks the client's shape already
             return self.on_original(chunk)
         choices = chunk.get("choices") or []
         if not choices:
@@ -288,6 +296,12 @@ class Book:
             self.finish_reason = finish
             emit.finished = True
         return emit
+
+    def finish_here(self) -> list[bytes]:
+        """The final chunk of an answer whose budget was spent at the fault."""
+        out, stop = self._scan("", final=True)
+        self.finish_reason = "stop" if stop is not None else "length"
+        return [self._client_chunk(out, [], self.finish_reason, stop, {})]
 
     def _skip_replayed(self, ids: list[int]) -> list[int]:
         """The ids the client has not had yet."""

@@ -59,10 +59,14 @@ class Boundary:
 
 async def find_boundary(
     *, prompt: list[int], generated: list[int], marks: list[tuple[int, int]], visible: str,
-    suspects: set[int], greedy: bool, lowest: int, skip_special: bool, decode: Decode,
+    suspects: set[int], greedy: bool, lowest: int, skip_special: bool, held_max: int,
+    decode: Decode,
 ) -> Boundary:  # fmt: skip
     """The latest usable boundary among ``marks`` (ids, text length) at or
-    above ``lowest``; ``visible`` is the text the client has or will get."""
+    above ``lowest``; ``visible`` is the text the client has or will get.
+    vLLM holds back at most ``held_max`` characters (a stop string's length
+    less one): more text than that beyond ``visible`` is not held-back text
+    but a decoding the stream did not do (an unrecognized special token)."""
     ctx = prompt[-CONTEXT:]
     base = await decode(ctx) if ctx else ""
     specials: set[int] = set()
@@ -82,7 +86,7 @@ async def find_boundary(
             if skip and not greedy:
                 continue  # a fresh sample would not say it again
             return Boundary(k, text, skip, "")
-        if text.startswith(visible):
+        if text.startswith(visible) and len(text) - len(visible) <= held_max:
             return Boundary(k, text, "", text[len(visible) :])
     raise SpliceFailed(
         "split_character",

@@ -1,0 +1,100 @@
+"""Properties of the splice: for any fault, the client's answer is the
+fault-free one, or a clear refusal.
+
+Faults anywhere (before the first token, inside a multi-byte character, in
+the abort chunk, between the last token and ``[DONE]``, during a
+continuation), any chunking, streamed or whole, chat or completions, stop
+strings, special tokens, with and without token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.fake_engine import Engine, Fault
+from tests.splice_sim import reference, through_proxy
+
+faults = st.builds(
+    Fault,
+    after=st.integers(0, 24),
+    kind=st.sampled_from(["abort", "abort", "drop", "after_done"]),
+    carry=st.booleans(),
+)
+requests = st.fixed_dictionaries(
+    {"kind": st.sampled_from(["completion", "chat"]),
+     "max_tokens": st.one_of(st.none(), st.integers(1, 24)),
+     "ids": st.sampled_from([None, True, False]),
+     "stop": st.one_of(st.none(), st.lists(st.sampled_from(["op", "é€", "b a", "€b", "😀"]),
+                                            min_size=1, max_size=2)),
+     "include_stop": st.booleans(),
+     "skip_special": st.sampled_from([None, False]),
+     "prompt": st.text(alphabet="abc \n", min_size=1, max_size=6)},
+)  # fmt: skip
+
+
+def body_of(r: dict[str, Any], greedy: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "stream": True, "ignore_eos": True}
+    if r["kind"] == "chat":
+        body["messages"] = [{"role": "user", "content": r["prompt"]}]
+    else:
+        body["prompt"] = r["prompt"]
+    if r["max_tokens"] is not None:
+        body["max_tokens"] = r["max_tokens"]
+    if r["ids"] is not None:
+        body["return_token_ids"] = r["ids"]
+    if r["stop"]:
+        body["stop"] = r["stop"]
+        body["include_stop_str_in_output"] = r["include_stop"]
+    if r["skip_special"] is not None:
+        body["skip_special_tokens"] = r["skip_special"]
+    body["temperature"] = 0 if greedy else 1.0
+    return body
+
+
+def check(r: dict[str, Any], chunking: list[int], fs: list[Fault | None], whole: bool,
+          greedy: bool) -> None:  # fmt: skip
+    kind = "chat" if r["kind"] == "chat" else "completion"
+    body = body_of(r, greedy)
+    engine = Engine(chunking=chunking)
+    ref = reference(Engine(chunking=[1]), kind, body)
+    got = asyncio.run(through_proxy(engine, kind, body, fs, whole))
+    if got.error is not None:
+        # The fake samples deterministically, so only what sampling really
+        # rules out may be refused: ids the client has, inside a character.
+        assert not greedy and got.error == "split_character", (got, ref)
+        return
+    assert got.text == ref.text, (got, ref, engine.requests)
+    assert got.finish == ref.finish, (got, ref)
+    if r["ids"]:
+        assert got.ids == ref.ids, (got, ref, engine.requests)
+    else:
+        assert not got.had_ids
+
+
+PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPS
+@given(
+    r=requests,
+    chunking=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    fs=st.lists(st.one_of(st.none(), faults), min_size=1, max_size=3),
+    whole=st.booleans(),
+)
+def test_greedy_answers_equal_the_fault_free_ones(r, chunking, fs, whole) -> None:  # fmt: skip
+    check(r, chunking, fs, whole, greedy=True)
+
+
+@PROPS
+@given(
+    r=requests,
+    chunking=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    fs=st.lists(st.one_of(st.none(), faults), min_size=1, max_size=3),
+    whole=st.booleans(),
+)
+def test_sampled_answers_are_fault_free_or_refused(r, chunking, fs, whole) -> None:  # fmt: skip
+    check(r, chunking, fs, whole, greedy=False)
