@@ -111,6 +111,8 @@ async def through_proxy(
 
 def _pump(book: Book, events: Iterator[Any], handle: Any, data: list[bytes]) -> str:
     for ev in events:
+        if ev == DONE and not book.finish_reason:
+            raise _Failed("upstream_incomplete")  # not a fault: never continued
         if ev in (DONE, DROP):
             break
         raw = orjson.dumps(ev)
