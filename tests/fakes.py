@@ -307,12 +307,14 @@ class FakeRank:
             choice["text"] = text
         # vLLM's response models always carry both fields (null unless asked).
         choice["token_ids"] = out if s.want_ids else None
-        choice["prompt_token_ids"] = prompt if s.want_ids else None
+        prompt_ids = prompt if s.want_ids else None
+        if not chat:  # vLLM's chat carries them on the response, not the choice
+            choice["prompt_token_ids"] = prompt_ids
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex[:8]}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model", "fake-model"),
-            "choices": [choice],
+            "choices": [choice], **({"prompt_token_ids": prompt_ids} if chat else {}),
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out),
                       "total_tokens": len(prompt) + len(out)},
         })  # fmt: skip
@@ -326,6 +328,9 @@ class FakeRank:
         if chat:  # vLLM opens a chat stream with the role
             role = s.chunk("", None, [])
             role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            role["choices"][0]["token_ids"] = None
+            # vLLM's chat puts the prompt ids on the chunk, not the choice.
+            role["prompt_token_ids"] = prompt if s.want_ids else None
             await resp.write(_sse(role))
         ctx = list(prompt)
         n = default_max_tokens(body, prompt, chat)
@@ -346,7 +351,7 @@ class FakeRank:
             if self.no_finish:
                 finish = stop = None
             chunk = s.chunk(text, finish, [tok], stop)
-            if i == 0 and s.want_ids:
+            if i == 0 and s.want_ids and not chat:
                 chunk["choices"][0]["prompt_token_ids"] = prompt
             await resp.write(_sse(chunk))
             self._tick()
