@@ -20,6 +20,7 @@ from proxy.coordination import COORD, Coordination
 from proxy.errors import (
     HttpStatusError,
     MethodNotAllowed,
+    ModelNotFound,
     NotFound,
     ProxyError,
     error_response,
@@ -165,6 +166,12 @@ async def proxy_v1(request: web.Request) -> web.StreamResponse:
     kind = generation.KINDS.get(path)
     if kind is not None:
         check_fields(kind, parsed)
+    if isinstance(model := parsed.get("model"), str):
+        # Only ranks serving it take the request and its continuations: a
+        # continuation on another model would silently corrupt the answer.
+        out.model = model
+        if (served := request.app[TABLE].unknown_model(model)) is not None:
+            raise ModelNotFound(model, served)
     if kind is not None and request.method == "POST":
         return await generation.forward(request.app[RELAY], request, out, kind, parsed)
     return await request.app[RELAY].forward(request, out)
@@ -221,6 +228,11 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     yield
     await session.close()
     await fresh.close()
+
+
+async def _learn_models(app: web.Application) -> None:
+    timeout = max(1.0, app[SETTINGS].timeouts.poll_timeout_s)
+    await models.learn(app[SESSION], app[TABLE], timeout)
 
 
 async def _poll(app: web.Application) -> None:
@@ -287,6 +299,7 @@ def build_app(
     if app[METRICS].multiprocess:
         app.cleanup_ctx.append(_background("metrics-sampler", _sample_metrics))
     app.cleanup_ctx.append(_background("poller", _poll))
+    app.cleanup_ctx.append(_background("models", _learn_models))
     app.cleanup_ctx.append(_background("push-feed", _push))
     app.cleanup_ctx.append(_background("auto-recovery", _auto_recovery))
     app[admin.WEIGHTS] = {}

@@ -57,6 +57,18 @@ class NotFound(ProxyError):
     status, type, code = 404, "invalid_request_error", "not_found"
 
 
+class ModelNotFound(ProxyError):
+    """What vLLM itself answers for a model it does not serve: same words, same
+    shape (its ``code`` is the HTTP status, an integer)."""
+
+    status, type, code = 404, "NotFoundError", "model_not_found"
+    extra = {"code": 404}  # noqa: RUF012 - read-only
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        super().__init__(f"The model `{model}` does not exist. Valid aliases: "
+                         f"{', '.join(served)}.", param="model")  # fmt: skip
+
+
 class MethodNotAllowed(ProxyError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 

@@ -255,7 +255,7 @@ class HeldStream:
             except orjson.JSONEncodeError as e:  # checked up front; never die silently
                 raise StreamFailed(f"the continuation cannot be sent: {e}", "unserializable") from e
             out = Outbound("POST", path, self.out.headers, raw, self.out.request_id,
-                           max_sent=self.budget.sends_left())  # fmt: skip
+                           max_sent=self.budget.sends_left(), model=self.out.model)  # fmt: skip
             try:
                 # A rank that faults before answering holds the request: bound it.
                 async with asyncio.timeout(remaining):
@@ -288,7 +288,8 @@ class HeldStream:
     async def _ask(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         """A side request to any routable rank, within the hold. Not the
         client's request: the access log does not list its rank."""
-        out = Outbound(method, path, self.out.headers, body, self.out.request_id)
+        out = Outbound(method, path, self.out.headers, body, self.out.request_id,
+                       model=self.out.model)  # same model, same tokenizer  # fmt: skip
         token = accesslog.CURRENT.set(None)
         try:
             async with asyncio.timeout(max(self._hold_left(), 0.1)):

@@ -1,12 +1,16 @@
-"""``GET /v1/models`` answered from every healthy rank at once.
+"""Which models the ranks serve.
 
-A rank that is down or slow is left out; the call fails only when no rank
-answers at all.
+``GET /v1/models`` is answered from every healthy rank at once: a rank that
+is down or slow is left out; the call fails only when no rank answers at all.
+:func:`learn` keeps each rank's served model names (for model-aware routing,
+see ``Rank.serves``): fetched once a rank is reachable, then every
+``RELEARN_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -44,3 +48,32 @@ async def gather(
     if not answered:
         raise NoHealthyRank("no healthy rank answered the model list", retry_after_s=1)
     return {"object": "list", "data": list(seen.values())}
+
+
+RELEARN_S = 30.0
+
+
+async def learn(
+    session: aiohttp.ClientSession, table: RankTable, timeout_s: float, every_s: float = 0.5
+) -> None:
+    while True:
+        now = time.monotonic()
+        due = [
+            r for r in table if r.reachable and (r.models is None or now - r.models_at > RELEARN_S)
+        ]
+        results = await asyncio.gather(
+            *(_fetch(session, r, timeout_s) for r in due), return_exceptions=True
+        )
+        changed = False
+        for rank, result in zip(due, results, strict=True):
+            if isinstance(result, BaseException):
+                continue
+            names = frozenset(
+                m["id"] for m in result if isinstance(m, dict) and isinstance(m.get("id"), str)
+            )
+            if names:  # an empty or failed list teaches nothing
+                changed |= names != rank.models
+                rank.models, rank.models_at = names, time.monotonic()
+        if changed:
+            table.notify()
+        await asyncio.sleep(every_s)

@@ -72,6 +72,13 @@ class Rank:
     removed: bool = False
     # Why its group cannot take work (a peer's state), kept by the table.
     group_reason: str | None = None
+    # Model names it serves (its /v1/models), None until learned.
+    models: frozenset[str] | None = None
+    models_at: float = 0.0  # monotonic time they were learned
+
+    def serves(self, model: str | None) -> bool:
+        """May a request for ``model`` go here? Unknown lists do not refuse."""
+        return model is None or self.models is None or model in self.models
 
     @property
     def own_fault(self) -> str | None:
@@ -101,6 +108,7 @@ class Rank:
             "reason": self.reason, "source": self.source,
             "fault_info": self.fault_info, "detail": self.detail,
             "in_flight": self.in_flight, "last_heard": self.last_heard,
+            "models": sorted(self.models) if self.models is not None else None,
             "push_delay_s": self.push_delay_s, "changed_by": self.changed_by,
             "changed_at": self.changed_at,
         }  # fmt: skip
@@ -151,8 +159,20 @@ class RankTable:
     def group(self, name: str) -> list[Rank]:
         return [r for r in self.ranks.values() if r.group == name]
 
-    def any_routable(self) -> bool:
-        return any(r.routable for r in self.ranks.values())
+    def any_routable(self, model: str | None = None) -> bool:
+        return any(r.routable and r.serves(model) for r in self.ranks.values())
+
+    def serving(self, model: str | None) -> list[Rank]:
+        return [r for r in self.ranks.values() if r.serves(model)]
+
+    def unknown_model(self, model: str | None) -> list[str] | None:
+        """The names served, when every rank's list is known and none has
+        ``model``; else None (the model may be served)."""
+        ranks = list(self.ranks.values())
+        if model is None or not ranks or any(r.models is None for r in ranks):
+            return None
+        names = sorted({m for r in ranks for m in r.models or ()})
+        return None if model in names else names
 
     def observe(
         self,

@@ -45,6 +45,8 @@ class Outbound:
     request_id: str
     sent: int = 0  # upstream requests made for it, resends included
     max_sent: int | None = None  # a cap on them (a held stream's budget)
+    # The request's `model`: only ranks serving it take it (and its continuations).
+    model: str | None = None
 
     def may_send(self) -> bool:
         return self.max_sent is None or self.sent < self.max_sent
@@ -107,14 +109,15 @@ class Relay:
             if not out.may_send():
                 failures.append("no upstream request left in this request's budget")
                 break
-            rank = await self._pick(frozenset(tried), queue_s)
+            rank = await self._pick(frozenset(tried), queue_s, out.model)
             if rank is None:
                 break
             tried.add(rank.name)
             attempt = await self._try(rank, out, failures)
             if attempt is None:
                 continue
-            if attempt.response.status < 500 or not self._has_other(tried) or not out.may_send():
+            last = not self._has_other(tried, out.model) or not out.may_send()
+            if attempt.response.status < 500 or last:
                 if (rec := accesslog.current()) is not None:
                     rec.served_by(rank.name, rank.group)
                 return attempt
@@ -154,11 +157,13 @@ class Relay:
         self.metrics.ttfb.labels(rank.name).observe(time.monotonic() - started)
         return Attempt(rank, resp, started)
 
-    def _has_other(self, tried: set[str]) -> bool:
-        return any(r.routable and r.name not in tried for r in self.table)
+    def _has_other(self, tried: set[str], model: str | None) -> bool:
+        return any(r.routable and r.name not in tried for r in self.table.serving(model))
 
-    async def _pick(self, exclude: frozenset[str], queue_s: float | None) -> Rank | None:
-        rank = self.balancer.pick(self.table, exclude)
+    async def _pick(
+        self, exclude: frozenset[str], queue_s: float | None, model: str | None = None
+    ) -> Rank | None:
+        rank = self.balancer.pick(self.table.serving(model), exclude)
         if rank is not None or exclude:
             return rank  # a retry never waits: it has somewhere else to fail over to
         queue_s = self.settings.timeouts.queue_s if queue_s is None else queue_s
@@ -169,12 +174,12 @@ class Relay:
         self.metrics.queued.inc()
         since = time.monotonic()
         try:
-            await self.table.wait_for(self.table.any_routable, queue_s)
+            await self.table.wait_for(lambda: self.table.any_routable(model), queue_s)
         finally:
             self.waiting -= 1
             self.metrics.queued.dec()
             self._waited(time.monotonic() - since)
-        rank = self.balancer.pick(self.table, exclude)
+        rank = self.balancer.pick(self.table.serving(model), exclude)
         if rank is None:
             self.metrics.no_rank.inc()
             raise NoHealthyRank(

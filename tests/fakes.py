@@ -79,6 +79,8 @@ class FakeRank:
     # earlier one used: the race of a keep-alive running out as it is reused.
     close_reused: bool = False
     closed_reused: int = 0
+    # The model name /v1/models lists.
+    served: str = "fake-model"
     # The mode from the second generation request on ("hang": accept, never answer).
     then_mode: str | None = None
     # End streams with [DONE] but no finish_reason (e.g. max_tokens: -1 on some servers).
@@ -217,7 +219,7 @@ class FakeRank:
         return web.json_response(
             {
                 "object": "list",
-                "data": [{"id": "fake-model", "object": "model", "max_model_len": MAX_MODEL_LEN}],
+                "data": [{"id": self.served, "object": "model", "max_model_len": MAX_MODEL_LEN}],
             }
         )
 

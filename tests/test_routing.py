@@ -92,3 +92,34 @@ async def test_a_pooled_connection_the_rank_closed_is_resent_not_a_fault(
     metrics = await (await http.get(p.url + "/metrics")).text()
     assert 'ftproxy_upstream_errors_total{kind="connect",rank="a"}' not in metrics
     assert "ftproxy_upstream_requests_per_request_count 6.0" in metrics
+
+
+async def test_requests_and_continuations_stay_on_ranks_serving_their_model(
+    fakes, proxy, http
+) -> None:
+    a = await fakes(name="a", served="m-a", token_delay_s=0.002, fault_after=5,
+                    auto_recover_s=0.3)  # fmt: skip
+    b = await fakes(name="b", served="m-b")
+    hold = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0}
+    p = await proxy(replicas([a, b], hold=hold))
+    table = p.app[TABLE]
+    assert await table.wait_for(lambda: all(r.models is not None for r in table), 3.0)
+    for model, rank in (("m-b", b), ("m-a", a)):
+        async with http.post(
+            p.url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}
+        ) as r:
+            assert r.status == 200 and len(rank.received) == 1  # fmt: skip
+    # a faults mid-stream: its continuation waits for a, never goes to b.
+    body = {"model": "m-a", "prompt": "hello", "max_tokens": 20, "stream": True}
+    async with http.post(p.url + "/v1/completions", json=body) as r:
+        raw = await r.read()
+    assert b'"finish_reason":"length"' in raw and b"error" not in raw
+    assert len(b.received) == 1 and len(a.received) == 3
+    assert all(x["model"] == "m-a" for x in a.received)
+
+    async with http.post(p.url + "/v1/completions", json={"model": "nope", "prompt": "x"}) as r:
+        assert r.status == 404
+        assert await r.json() == {"error": {
+            "message": "The model `nope` does not exist. Valid aliases: m-a, m-b.",
+            "type": "NotFoundError", "param": "model", "code": 404}}  # fmt: skip
+    assert len(a.received) + len(b.received) == 4
