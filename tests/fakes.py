@@ -231,6 +231,12 @@ class FakeRank:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and not all(type(t) is int for t in prompt):
+            # Batched prompts: vLLM runs them; this fake answers a clean 400 as
+            # vLLM does for what it cannot take, never a 500.
+            return web.json_response({"error": {"message": "one prompt only", "type":
+                                     "BadRequestError", "param": None, "code": 400}},
+                                     status=400)  # fmt: skip
         ids = list(prompt) if isinstance(prompt, list) else tokenize(str(prompt))
         return await self._generate(request, body, ids, chat=False)
 
