@@ -305,3 +305,20 @@ def test_common_chunks_take_the_byte_path_and_match_the_parsed_one() -> None:
     assert book.on_original_bytes(chunk(3, "")) is not None and book.suspects == {3}
     final = chunk(4, "z").replace(b'"finish_reason":null', b'"finish_reason":"length"')
     assert book.on_original_bytes(final) is None  # a finish is parsed
+
+
+async def test_text_held_for_a_stop_string_is_recovered_when_the_connection_drops() -> None:
+    # vLLM holds "ab" back (it could start the stop string "abc"); the
+    # connection is lost, so no abort chunk flushes it: the ids say it.
+    from proxy.continuation import Book
+
+    book = Book.for_request("completion", {"prompt": "x", "max_tokens": 10, "temperature": 0,
+                                           "stop": ["abc"], "return_token_ids": True})  # fmt: skip
+    book.on_original(_chunk([5], "b", prompt_token_ids=[9]))
+    book.on_original(_chunk([1], ""))
+    book.on_original(_chunk([5], ""))
+    _, body = await book.continuation(_decode)
+    assert body["prompt"] == [9, 5, 1, 5]  # nothing generated again
+    emit = book.on_continuation({"choices": [{"text": "a", "token_ids": [1],
+                                              "finish_reason": "length"}]})  # fmt: skip
+    assert json.loads(emit.data[0])["choices"][0]["text"] == "aba"
