@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[engine,test]'
+	$(PY) -m pip install -q -e '.[engine,test,otel]'
 	@# PyPI torchvision/torchaudio break `import vllm` beside the CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import accesslog, admin, coordination, drain, generation, models
+from proxy import accesslog, admin, coordination, drain, generation, models, tracing
 from proxy.accesslog import AccessLog, AccessRecord, End
 from proxy.coordination import COORD, Coordination
 from proxy.errors import (
@@ -44,6 +44,7 @@ from proxy.state import (
     SESSION,
     SETTINGS,
     TABLE,
+    TRACING,
 )  # fmt: skip
 from proxy.supervise import supervised
 from proxy.target import parse_forward, target_guard
@@ -223,6 +224,7 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     fresh = make_session(t, fresh=True)
     app[SESSION] = session
     app[RELAY] = Relay(app[TABLE], session, app[SETTINGS], app[METRICS], fresh)
+    app[RELAY].tracing = app[TRACING]
     app[RECOVERY] = Recovery(app[TABLE], session, app[SETTINGS], app[METRICS])
     app[COORD].attach(app[RECOVERY])
     yield
@@ -271,12 +273,14 @@ def build_app(
     settings: Settings, config_path: Path | None = None, coord: Coordination | None = None
 ) -> web.Application:
     draining = drain.Drain()
+    traces = tracing.Tracing(settings.tracing) if settings.tracing.enabled else None
     app = web.Application(
         # Drain sits inside the access log (which then logs how a request it
         # ended at shutdown ended) and outside the rest, so that request gets
         # its error event after all else.
         middlewares=[
             access_middleware,
+            *([tracing.middleware(traces)] if traces is not None else []),
             draining.middleware,
             errors_middleware,
             target_guard,
@@ -289,6 +293,9 @@ def build_app(
     app[SETTINGS] = settings
     app.on_response_prepare.append(_mark_prepared)
     app[ACCESS_LOG] = AccessLog(settings.logging.format) if settings.logging.access_log else None
+    app[TRACING] = traces
+    if traces is not None:
+        app.on_cleanup.append(lambda _: asyncio.to_thread(traces.shutdown))
     if config_path is not None:
         app[CONFIG_PATH] = config_path
     app[TABLE] = table = RankTable(settings.groups)

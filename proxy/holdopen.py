@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import orjson
@@ -36,6 +36,9 @@ from proxy.ranks import UNHEALTHY, Rank, group_fault
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.settings import Hold
 from proxy.sse import DONE, KEEPALIVE, SSEParser, event
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger("ftproxy.hold")
 
@@ -92,6 +95,7 @@ class HeldStream:
         self.writing = False
         self.access = accesslog.current()
         self.continuations = 0
+        self.hold_span: Span | None = None  # when tracing is on
         self.budget = StreamBudget(self.cfg.max_continuations, self.cfg.max_total_s)
         # Cleared at the first event the client gets: its time to first token.
         self.first_pending = self.access is not None and not isinstance(sink, Collector)
@@ -114,7 +118,7 @@ class HeldStream:
         try:
             if attempt is None:
                 self._hold("aborted by the engine")
-                attempt, handle = await self._continuation(), self.book.on_continuation
+                attempt, handle = await self._continue(), self.book.on_continuation
             while (
                 attempt is not None and (outcome := await self._pump(attempt, handle)) != FINISHED
             ):
@@ -126,7 +130,7 @@ class HeldStream:
                     # without end (seen: thousands of requests a second).
                     raise StreamFailed("the rank ended the stream without a finish reason",
                                        "upstream_incomplete")  # fmt: skip
-                attempt = await self._continuation()
+                attempt = await self._continue()
                 handle = self.book.on_continuation
             if attempt is None:  # nothing left to generate: the answer ends here
                 self._unhold(None)
@@ -219,6 +223,18 @@ class HeldStream:
         return ABORTED
 
     # -- continuation ---------------------------------------------------------
+    async def _continue(self) -> Attempt | None:
+        """A continuation, in its own span when tracing is on."""
+        tracing = self.relay.tracing
+        if tracing is None:
+            return await self._continuation()
+        attrs = {"ftproxy.tokens_so_far": len(self.book.generated)}
+        with tracing.span("continuation", attrs) as span:
+            attempt = await self._continuation()
+            if attempt is not None:
+                span.set_attribute("ftproxy.rank", attempt.rank.name)
+            return attempt
+
     async def _continuation(self) -> Attempt | None:
         if self.relay.held > self.relay.settings.limits.max_held_streams:
             raise StreamFailed(
@@ -358,6 +374,8 @@ class HeldStream:
         if self.held_since is not None:
             return
         self.held_since, self.hold_reason = time.monotonic(), reason
+        if self.relay.tracing is not None:
+            self.hold_span = self.relay.tracing.start("hold", {"ftproxy.hold.reason": reason})
         self.relay.held += 1
         self.metrics.streams_held.inc()
         if self.access is not None:
@@ -376,6 +394,10 @@ class HeldStream:
         self.metrics.hold_seconds.observe(held_s)
         if self.access is not None:
             self.access.hold_s += held_s
+        if self.hold_span is not None:
+            self.hold_span.set_attribute("ftproxy.hold.resumed_by", mode or "none")
+            self.hold_span.end()
+            self.hold_span = None
         if mode is not None:
             self.metrics.resumes.labels(mode).inc()
             how = "by the engine" if mode == "engine" else "by abort + continuation"

@@ -26,6 +26,7 @@ from proxy.metrics import Metrics
 from proxy.ranks import Rank, RankTable
 from proxy.settings import Settings
 from proxy.target import upstream_url
+from proxy.tracing import Tracing
 from proxy.upstream import response_headers
 
 log = logging.getLogger("ftproxy.relay")
@@ -77,6 +78,7 @@ class Relay:
         self.balancer = SmoothWeightedBalancer()
         self.waiting = 0  # requests waiting for a healthy rank (limits.max_queued)
         self.held = 0  # streams on hold now (limits.max_held_streams)
+        self.tracing: Tracing | None = None  # set by the app when tracing is on
 
     async def forward(
         self, request: web.Request, out: Outbound, respond: Respond | None = None
@@ -113,7 +115,10 @@ class Relay:
             if rank is None:
                 break
             tried.add(rank.name)
-            attempt = await self._try(rank, out, failures)
+            if self.tracing is None:
+                attempt = await self._try(rank, out, failures)
+            else:
+                attempt = await self._try_traced(self.tracing, rank, out, failures)
             if attempt is None:
                 continue
             last = not self._has_other(tried, out.model) or not out.may_send()
@@ -156,6 +161,18 @@ class Relay:
             return None
         self.metrics.ttfb.labels(rank.name).observe(time.monotonic() - started)
         return Attempt(rank, resp, started)
+
+    async def _try_traced(
+        self, tracing: Tracing, rank: Rank, out: Outbound, failures: list[str]
+    ) -> Attempt | None:
+        attrs = {"ftproxy.rank": rank.name, "ftproxy.group": rank.group, "url.path": out.path}
+        with tracing.attempt(f"upstream {rank.name}", out.headers, attrs) as span:
+            attempt = await self._try(rank, out, failures)
+            if attempt is None:
+                span.set_attribute("error.type", failures[-1] if failures else "failed")
+            else:
+                span.set_attribute("http.response.status_code", attempt.response.status)
+            return attempt
 
     def _has_other(self, tried: set[str], model: str | None) -> bool:
         return any(r.routable and r.name not in tried for r in self.table.serving(model))

@@ -7,6 +7,7 @@ environment, e.g. ``FTPROXY_LISTEN__PORT=9000`` or ``FTPROXY_ADMIN__TOKEN``.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,6 +213,25 @@ class CoordinationConfig(BaseModel):
     etcd: EtcdConfig | None = None
 
 
+class TracingConfig(BaseModel):
+    """OpenTelemetry traces (proxy.tracing); needs the ``otel`` extra."""
+
+    enabled: bool = False
+    # otlp: OTLP over HTTP to otlp_endpoint; console: stdout; none: spans are
+    # made and traceparent sent to ranks, but exported nowhere.
+    exporter: Literal["otlp", "console", "none"] = "otlp"
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "ft-proxy"
+    sample_ratio: float = Field(1.0, ge=0, le=1)  # of traces started here
+
+    @model_validator(mode="after")
+    def _installed(self) -> TracingConfig:
+        if self.enabled and importlib.util.find_spec("opentelemetry.sdk") is None:
+            raise ValueError("tracing is enabled but the OpenTelemetry SDK is not installed: "
+                             "pip install 'ft-proxy[otel]'")  # fmt: skip
+        return self
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="FTPROXY_", env_nested_delimiter="__", extra="forbid"
@@ -232,6 +252,7 @@ class Settings(BaseSettings):
     api_keys: list[SecretStr] = []
     log_level: str = "INFO"
     logging: Logging = Logging()
+    tracing: TracingConfig = TracingConfig()
 
     @field_validator("api_keys")
     @classmethod

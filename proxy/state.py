@@ -13,9 +13,12 @@ from proxy.ranks import RankTable
 from proxy.recovery import Recovery
 from proxy.relay import Relay
 from proxy.settings import Settings
+from proxy.tracing import Tracing
 
 # None: the access log is off.
 ACCESS_LOG: web.AppKey[AccessLog | None] = web.AppKey("access_log")
+# None: tracing is off.
+TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")
 SETTINGS = web.AppKey("settings", Settings)
 TABLE = web.AppKey("table", RankTable)
 METRICS = web.AppKey("metrics", Metrics)

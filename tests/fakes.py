@@ -102,6 +102,8 @@ class FakeRank:
     apply_fails: bool = False
     last_ft_request_id: str | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
+    # The W3C traceparent each generation request came with (None: none).
+    traceparents: list[str | None] = field(default_factory=list)
     disconnects: int = 0
     applies: list[dict[str, Any]] = field(default_factory=list)
     status_at_apply: list[str] = field(default_factory=list)
@@ -255,6 +257,7 @@ class FakeRank:
                 raise asyncio.CancelledError
             self._used.add(request.transport)
         self.received.append(body)
+        self.traceparents.append(request.headers.get("traceparent"))
         mode = self.mode
         if self.then_mode is not None and len(self.received) > 1:
             mode = self.then_mode
