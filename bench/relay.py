@@ -202,7 +202,7 @@ def _profiler(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes] | 
     cmd = [spy, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "200",
            "-o", str(out), "--nonblocking",
            "-f", "flamegraph" if out.suffix == ".svg" else "raw"]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)  # its errors stay visible
 
 
 def _median(samples: list[Sample]) -> Sample:
