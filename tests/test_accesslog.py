@@ -12,7 +12,11 @@ import aiohttp
 
 from proxy import accesslog, logs
 from proxy.accesslog import AccessLog, AccessRecord, End
+from proxy.feed import PushFeed
+from proxy.metrics import Metrics
+from proxy.ranks import RankTable
 from proxy.server import Running
+from proxy.settings import Settings, Timeouts
 from proxy.state import ACCESS_LOG, METRICS
 from tests.conftest import replicas, settings_for
 
@@ -140,3 +144,30 @@ def test_json_event_logs_carry_the_request_id() -> None:
     assert inside == {"ts": inside["ts"], "level": "WARNING", "logger": "ftproxy.test",
                       "msg": "inside a request", "request_id": "rid-7"}  # fmt: skip
     assert "request_id" not in outside and outside["msg"] == "outside"
+
+
+def test_feed_heartbeat_age_per_rank() -> None:
+    settings = Settings(groups=[{"name": "g", "ranks": [
+        {"name": "fed", "url": "http://127.0.0.1:1", "status_feed": "tcp://127.0.0.1:1"},
+        {"name": "polled", "url": "http://127.0.0.1:2"}]}])  # fmt: skip
+    table = RankTable(settings.groups)
+    metrics = Metrics(table)
+    assert b"ftproxy_feed_heartbeat_age_seconds{" not in metrics.render()  # never heard yet
+    PushFeed(table, Timeouts(), metrics)._apply("fed", {"kind": "heartbeat", "engines": [
+        {"id": 0, "status": "healthy"}]})  # fmt: skip
+    table.ranks["fed"].pushed_at -= 7.0  # heard 7 s ago
+    text = metrics.render().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith("ftproxy_feed_heartbeat_age")]
+    assert line.startswith('ftproxy_feed_heartbeat_age_seconds{rank="fed"} ')
+    assert 7.0 <= float(line.split()[-1]) < 8.0
+
+
+async def test_unknown_path_is_a_counted_refusal(fakes, proxy, http) -> None:
+    a = await fakes(name="a")
+    p = await proxy(replicas([a], logging=JSON_LOGS))
+    out = capture(p)
+    async with http.get(p.url + "/v1/no-such-thing") as r:
+        assert r.status == 404
+    (line,) = await lines(out, 1)
+    assert line["status"] == 404 and line["end"] == End.REFUSED and line["ranks"] == []
+    assert p.app[METRICS].refusals.labels("not_found")._value.get() == 1
