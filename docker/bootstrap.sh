@@ -45,7 +45,12 @@ reqs=$("$PYTHON" "$here/requirements.py" "$here/../pyproject.toml" engine)
 if [ "$(cat "$CACHE/wheels/.complete" 2>/dev/null)" != "$reqs" ]; then
     mkdir -p "$CACHE/wheels"
     echo "$reqs" > "$CACHE/requirements.txt"
-    "$PYTHON" -m pip download -q --only-binary=:all: --dest "$CACHE/wheels" \
-        --extra-index-url "$TORCH_INDEX_URL" -r "$CACHE/requirements.txt"
+    # Edited requirements are often still met by the cached wheels: check
+    # that offline first, and ask the indexes only for what is missing.
+    if ! "$PYTHON" -m pip download -q --no-index --find-links "$CACHE/wheels" \
+            --dest "$CACHE/wheels" -r "$CACHE/requirements.txt" 2>/dev/null; then
+        "$PYTHON" -m pip download -q --only-binary=:all: --dest "$CACHE/wheels" \
+            --extra-index-url "$TORCH_INDEX_URL" -r "$CACHE/requirements.txt"
+    fi
     echo "$reqs" > "$CACHE/wheels/.complete"
 fi
