@@ -189,7 +189,10 @@ def check(
         "detail": {"status": ans.status, "errors": ans.errors[:2], "finishes": ans.finishes},
         "first_diff_id": diff_id,
         "ref_margin_at_diff": ref.margin_at(diff_id) if diff_id is not None else None,
-        "first_diff_char": first_difference(ref.text, ans.text),
+        "first_diff_char": (at := first_difference(ref.text, ans.text)),
+        # what a difference looks like, for the report (None when exact)
+        "texts": None if at is None else {"reference": ref.text[max(0, at - 20) : at + 40],
+                                          "answer": ans.text[max(0, at - 20) : at + 40]},
         "max_gap_s": max(gaps, default=0.0) if body.get("stream") else None,
         "retry_to_resumed_s": resumed[0] if resumed and body.get("stream") else None,
     }  # fmt: skip

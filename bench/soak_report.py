@@ -56,6 +56,9 @@ def differences(mode: str, rounds: list[dict[str, Any]]) -> list[str]:
                     f"{_or_dash(s['first_diff_char'])}, "
                     f"{s['detail']}"
                 )
+                if s.get("texts"):
+                    out.append(f"    reference {s['texts']['reference']!r}")
+                    out.append(f"    answer    {s['texts']['answer']!r}")
     return out
 
 
