@@ -400,8 +400,8 @@ class HeldStream:
             self.hold_span = None
         if mode is not None:
             self.metrics.resumes.labels(mode).inc()
-            how = "by the engine" if mode == "engine" else "by abort + continuation"
-            log.info("[%s] stream resumed %s after %.1fs on hold (%s)",
+            how = "the engine" if mode == "engine" else "the continuation (abort + continuation)"
+            log.info("[%s] stream resumed by %s after %.1fs on hold (%s)",
                      self.out.request_id, how, held_s, self.hold_reason)  # fmt: skip
 
     async def _watch(self) -> None:
