@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ftproxy-installed
 
-.PHONY: setup demo test lint unit e2e bench soak clean
+.PHONY: setup demo test lint unit e2e bench bench-held soak clean
 
 setup: $(STAMP)
 
@@ -33,10 +33,14 @@ e2e: setup
 test: lint
 	$(PY) -m pytest
 
+bench-held: setup
+	flock /tmp/ftproxy-heavy.lock $(PY) -m bench.held --streams $(or $(STREAMS),9000)
+
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.relay
 	$(PY) -m bench.accesslog
+	$(PY) -m bench.held
 
 # Real-engine soak: 20 injected faults per mode (abort, resume), every answer
 # checked against a fault-free oracle; prints the table (about 25 minutes).
