@@ -187,7 +187,7 @@ def _text_line(rec: AccessRecord, now: float) -> bytes:
 
 
 def _json_line(rec: AccessRecord, now: float) -> bytes:
-    return orjson.dumps(rec.fields(now)) + b"\n"
+    return orjson.dumps(rec.fields(now), option=orjson.OPT_APPEND_NEWLINE)
 
 
 def _dash(v: object) -> str:
