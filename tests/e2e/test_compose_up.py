@@ -9,7 +9,6 @@ must leave no container, volume or network. Each part's time is printed.
 
 The engine is podman behind its Docker-compatible socket (tests/e2e/
 containers.py). Skipped where it cannot start; under CI that is a failure.
-Opt-in for now (FTPROXY_COMPOSE_E2E=1): it has not yet passed end to end.
 """
 
 from __future__ import annotations
@@ -73,10 +72,6 @@ def unavailable(reason: str) -> None:
 
 @pytest.fixture
 def engine(tmp_path: Path, rig_pool: RigPool) -> Iterator[Engine]:
-    if not os.environ.get("FTPROXY_COMPOSE_E2E"):
-        # Until this test has passed once end to end on these machines it
-        # stays out of CI: see README, "Docker compose".
-        pytest.skip("opt-in: FTPROXY_COMPOSE_E2E=1 (not yet passed end to end here)")
     rig_pool.close()  # two cores: the host rig's ranks must not compete with the containers
     if missing := missing_tools():
         unavailable(f"no container engine: {', '.join(missing)} not installed")
