@@ -41,6 +41,7 @@ bench: setup
 	$(PY) -m bench.relay
 	$(PY) -m bench.accesslog
 	$(PY) -m bench.held
+	$(PY) -m bench.workers
 
 # Real-engine soak: 20 injected faults per mode (abort, resume), every answer
 # checked against a fault-free oracle; prints the table (about 25 minutes).
