@@ -144,3 +144,35 @@ async def test_a_weight_patch_reaches_every_worker_and_survives_reload(fakes, re
                               headers={"Connection": "close"}) as r:  # fmt: skip
                 assert r.status == 200
     assert len(b.received) == 0 and len(a.received) == 9
+
+
+async def test_rolling_restart_under_load_never_cuts_a_stream_silently(fakes, replica) -> None:
+    a = await fakes(name="a", token_delay_s=0.02)
+    reps = [await replica([a], workers=2) for _ in range(3)]
+
+    async def stream(rep: replicas.Replica, tokens: int) -> bytes:
+        body = {"prompt": "x", "max_tokens": tokens, "stream": True}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(rep.url + "/v1/completions", json=body) as r,
+        ):
+            assert r.status == 200
+            return await r.read()
+
+    for i, victim in enumerate(reps):
+        alive = reps[i:]  # the ones not stopped yet, the victim first
+        # Short streams end within the grace period, long ones cannot.
+        flows = [asyncio.create_task(stream(rep, n)) for rep in alive for n in (20, 400)]
+        await asyncio.sleep(0.3)
+        victim.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        assert (await victim.get("/ready"))[0] == 503  # before the listener closes
+        bodies = await asyncio.gather(*flows)
+        for k, raw in enumerate(bodies):
+            assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+            normal = raw.count(b'"finish_reason":"length"') == 1
+            ended = b'"code":"proxy_shutdown"' in raw
+            assert normal != ended, raw[-300:]
+            on_victim, long = k < 2, k % 2 == 1
+            assert ended == (on_victim and long)  # only the victim's long stream is ended
+        assert await asyncio.wait_for(victim.proc.wait(), 10) == 0
