@@ -98,3 +98,13 @@ def test_greedy_answers_equal_the_fault_free_ones(r, chunking, fs, whole) -> Non
 )
 def test_sampled_answers_are_fault_free_or_refused(r, chunking, fs, whole) -> None:  # fmt: skip
     check(r, chunking, fs, whole, greedy=False)
+
+
+def test_text_held_for_a_stop_string_is_not_sent_after_a_rollback() -> None:
+    # The abort chunk carries text vLLM held back for "é€" but not its id:
+    # the splice goes back, the continuation generates the held text again
+    # and stops on its own, and the held copy must not reach the client.
+    r = {"kind": "completion", "max_tokens": None, "ids": None, "stop": ["é€"],
+         "include_stop": False, "skip_special": None, "prompt": "\n b a"}  # fmt: skip
+    for whole in (False, True):
+        check(r, [1], [Fault(after=14, kind="abort", carry=False)], whole, greedy=True)

@@ -250,9 +250,16 @@ class Book:
         lowest = n if self.wants_ids and not greedy else 0
         skip_special = as_bool(self.body.get("skip_special_tokens", True))
         assert self.prompt_ids is not None
+        # Text held back for a stop match is in the records but not with the
+        # client: the boundary is found against what the client has, and the
+        # held text is derived again from the ids (or generated again).
+        visible = said + self.skip
+        if self.pending and visible.endswith(self.pending):
+            visible = visible[: -len(self.pending)]
+            self.pending = ""
         b = await find_boundary(
             prompt=self.prompt_ids, generated=self.generated, marks=marks,
-            visible=said + self.skip, suspects=self.suspects, greedy=greedy, lowest=lowest,
+            visible=visible, suspects=self.suspects, greedy=greedy, lowest=lowest,
             skip_special=skip_special, decode=decode,
             held_max=max((len(s) - 1 for s in self.stops), default=0),
         )  # fmt: skip
