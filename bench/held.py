@@ -80,6 +80,8 @@ def run(streams: int, stall_s: float) -> dict[str, float]:
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
         f"groups: [{{name: g, ranks: [{{name: r0, url: 'http://127.0.0.1:{backend}'}}]}}]\n"
         f"hold: {{stall_s: {stall_s}, keepalive_s: 2.0, timeout_s: 3600}}\n"
+        # Every held stream keeps its upstream connection: the pool must allow them all.
+        f"limits: {{upstream_connections_per_rank: {streams + 1000}}}\n"
         "log_level: WARNING\nlogging: {access_log: false}\n"
     )
     proxy = subprocess.Popen(
