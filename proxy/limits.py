@@ -14,7 +14,7 @@ from proxy.errors import ProxyError
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Probes must answer however busy the proxy is.
-_EXEMPT = frozenset({"/health", "/metrics"})
+_EXEMPT = frozenset({"/health", "/metrics", "/live", "/ready"})
 
 
 class Overloaded(ProxyError):

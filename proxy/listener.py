@@ -58,6 +58,7 @@ def raw_answer(status: int, text: str, code: str, retry_after_s: int | None = No
 class OpenAIErrorsHandler(RequestHandler):
     limits: Limits
     _header_timer: asyncio.TimerHandle | None = None
+    _between_requests = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -81,9 +82,18 @@ class OpenAIErrorsHandler(RequestHandler):
         self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
         result = await super().finish_response(request, resp, start_time)
-        if resp.keep_alive and self.transport is not None and not self.transport.is_closing():
-            self._arm_header_timer()  # the next request's headers are due in time
+        # An idle keep-alive connection is aiohttp's to close, silently, after
+        # keepalive_timeout_s; the header timer starts again only once the next
+        # request's first bytes arrive (an unasked 408 on an idle connection
+        # reads as a failed request to pools that reuse it).
+        self._between_requests = True
         return result
+
+    def data_received(self, data: bytes) -> None:
+        if self._between_requests:
+            self._between_requests = False
+            self._arm_header_timer()
+        super().data_received(data)
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()

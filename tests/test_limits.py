@@ -50,19 +50,40 @@ async def test_slow_headers_are_cut_off(fakes, proxy) -> None:
     assert a.forwarded() == []
 
 
-async def test_idle_keepalive_connection_is_cut_but_long_streams_are_not(fakes, proxy) -> None:
+async def test_idle_keepalive_connection_closes_silently_long_streams_are_not_cut(
+    fakes, proxy
+) -> None:
     a = await fakes(name="a", token_delay_s=0.02)
-    p = await proxy(settings_for([a], limits=FAST))
+    p = await proxy(settings_for([a], limits={**FAST, "keepalive_timeout_s": 1.5}))
     reader, writer = await _open(p.port)
     body = json.dumps(completion(60)).encode()  # ~1.2 s of tokens: longer than the timeouts
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
     started = time.monotonic()
-    got = await asyncio.wait_for(reader.read(), 5)  # the stream, then idle: cut
-    assert time.monotonic() - started > 1.0  # the stream was not cut by the header timer
+    got = await asyncio.wait_for(reader.read(), 6)  # the stream, then idle: closed
+    took = time.monotonic() - started
+    assert took > 1.2 + 1.0  # neither the stream nor the idle time cut by the header timer
     stream, _, after = got.partition(b"data: [DONE]")
     assert _status(stream) == 200 and stream.count(b'"text"') >= 60
-    assert b"HTTP/1.1 408" in after
+    assert b"HTTP/1.1" not in after  # closed with no unasked 408
+    writer.close()
+
+
+async def test_slow_headers_of_a_second_request_are_cut_off(fakes, proxy) -> None:
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], limits=FAST))
+    reader, writer = await _open(p.port)
+    body = json.dumps(completion(2)).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    first = await asyncio.wait_for(reader.readuntil(b"data: [DONE]"), 5)
+    assert _status(first) == 200
+    await asyncio.sleep(0.8)  # idle past the header timeout: still open
+    writer.write(b"POST /v1/comp")
+    started = time.monotonic()
+    rest = await asyncio.wait_for(reader.read(), 3)
+    assert time.monotonic() - started < 2
+    assert b"HTTP/1.1 408" in rest
     writer.close()
 
 
@@ -109,8 +130,9 @@ async def test_requests_beyond_the_limit_get_503(fakes, proxy, http) -> None:
     async with http.post(p.url + "/v1/completions", json=completion(1)) as r:
         assert r.status == 503 and r.headers["Retry-After"] == "1"
         assert (await r.json())["error"]["code"] == "overloaded"
-    async with http.get(p.url + "/health") as r:
-        assert r.status == 200  # probes are exempt
+    for probe in ("/health", "/live", "/ready"):
+        async with http.get(p.url + probe) as r:
+            assert r.status == 200, probe  # probes are exempt
     assert [s for s, _ in await asyncio.gather(*slow)] == [200, 200]
 
 
