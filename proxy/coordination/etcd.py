@@ -78,6 +78,7 @@ class Client:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+            self._session = None  # a restarted coordinator opens a new one
 
     def _ssl(self) -> ssl.SSLContext | None:
         if not any(u.startswith("https://") for u in self.cfg.endpoints):
@@ -97,7 +98,9 @@ class Client:
         for endpoint in self.cfg.endpoints:  # the first that answers
             try:
                 return await self._post(endpoint, path, body)
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            # ValueError, TypeError: a body that is not etcd's JSON (e.g. an
+            # HTML 502 from something in front of etcd) is no answer either.
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError) as e:
                 last = e
         raise EtcdError(f"no etcd endpoint answered {path}: {last!r}")
 
@@ -215,15 +218,23 @@ class Etcd(Coordination):
                 self._leader.clear()
             self.lease = await self.client.grant(self.cfg.lease_ttl_s)
             self._leased.set()
-        if not self.is_leader() and await self.client.create(
-            self._key("leader"), self.me, self.lease
-        ):
+        if not self.is_leader() and await self._campaign():
             log.info("%s leads recovery (etcd lease %s)", self.me, self.lease)
             self._leader.set()
         if self.is_leader():
             await self._take_over_orphans()
 
+    async def _campaign(self) -> bool:
+        """Take the leader key; or find it still ours (this process stepped
+        down on an etcd error while its lease, and so its key, lived on)."""
+        assert self.lease is not None
+        if await self.client.create(self._key("leader"), self.me, self.lease):
+            return True
+        holder, _ = await self.client.get(self._key("leader"))
+        return bool(holder == self.me)
+
     async def close(self) -> None:
+        self._leader.clear()
         for task in self._tasks:
             task.cancel()
         if self.lease is not None:

@@ -1,0 +1,69 @@
+"""etcd misbehaving for a moment: leadership comes back, junk is an EtcdError."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from aiohttp import web
+
+from proxy.coordination.etcd import Client, Etcd, EtcdError
+from proxy.settings import EtcdConfig
+from tests.etcd_server import etcd_server
+
+
+@pytest.fixture
+def etcd() -> Iterator[str]:
+    with etcd_server() as url:
+        yield url
+
+
+async def _until(pred, timeout: float) -> bool:  # noqa: ASYNC109 - a bool, not an error
+    end = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > end:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def test_leadership_comes_back_after_one_failed_renewal(etcd, monkeypatch) -> None:
+    coord = Etcd(EtcdConfig(endpoints=[etcd], prefix="/t-lead", lease_ttl_s=6))
+    task = asyncio.create_task(coord.run())
+    try:
+        assert await _until(coord.is_leader, 5)
+        real = coord.client.keepalive
+        failed = asyncio.Event()
+
+        async def once(lease: str) -> bool:
+            monkeypatch.setattr(coord.client, "keepalive", real)
+            failed.set()
+            raise EtcdError("etcd did not answer in time")
+
+        monkeypatch.setattr(coord.client, "keepalive", once)
+        await asyncio.wait_for(failed.wait(), 30)
+        # Stepped down on the error; the lease (6 s) and its key lived on:
+        # the next tick (2 s on) finds the key its own and leads again.
+        assert await _until(coord.is_leader, 5)
+    finally:
+        task.cancel()
+        await coord.close()
+
+
+async def test_an_answer_that_is_not_json_is_an_etcd_error(aiohttp_server) -> None:
+    async def html(request: web.Request) -> web.Response:
+        return web.Response(status=502, text="<html>bad gateway</html>", content_type="text/html")
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", html)
+    server = await aiohttp_server(app)
+    client = Client(EtcdConfig(endpoints=[str(server.make_url("")).rstrip("/")]))
+    try:
+        with pytest.raises(EtcdError):
+            await client.get("k")
+    finally:
+        await client.close()
+    with pytest.raises(EtcdError):  # closed, then used again: a new session, same answer
+        await client.get("k")
+    await client.close()
