@@ -125,7 +125,7 @@ class Client:
         return dict(answer)
 
     # -- kv -----------------------------------------------------------------------
-    async def get(self, key: str) -> tuple[dict[str, Any] | None, int]:
+    async def get(self, key: str) -> tuple[Any, int]:
         """The JSON value and mod revision of ``key`` (None, 0 when absent)."""
         answer = await self.call("/v3/kv/range", {"key": _b64(key)})
         for kv in answer.get("kvs") or []:
