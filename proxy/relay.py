@@ -159,6 +159,13 @@ class Relay:
             )
             log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
             return None
+        except aiohttp.ClientError as e:
+            # A malformed answer (status line, headers): the rank is up but
+            # answered nonsense. Like a 5xx: try another, without marking it down.
+            failures.append(f"{rank.name}: {type(e).__name__}")
+            self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
+            log.warning("[%s] rank %s sent a malformed answer: %r", out.request_id, rank.name, e)
+            return None
         self.metrics.ttfb.labels(rank.name).observe(time.monotonic() - started)
         return Attempt(rank, resp, started)
 

@@ -8,8 +8,10 @@ from collections import Counter
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
-from proxy.state import TABLE
+from proxy.state import RELAY, TABLE
 from tests.conftest import FAST_POLL_S, replicas, settings_for
 
 
@@ -238,3 +240,26 @@ async def test_sse_survives_many_concurrent_streams(fakes, proxy, http) -> None:
     counts = await asyncio.gather(*(one() for _ in range(20)))
     assert counts == [50] * 20
     assert Counter(len(x.received) for x in (a, b)) == Counter({10: 2})
+
+
+async def test_a_malformed_answer_fails_over_without_marking_the_rank(
+    fakes, proxy, http, monkeypatch
+) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(replicas([a, b]))
+    relay = p.app[RELAY]
+    real = relay.session.request
+
+    async def request(method: str, url: Any, **kw: Any) -> Any:
+        if str(url).startswith(a.url):  # a bad status line from rank a
+            info = aiohttp.RequestInfo(URL(str(url)), method, CIMultiDictProxy(CIMultiDict()))
+            raise aiohttp.ClientResponseError(info, (), message="invalid status line")
+        return await real(method, url, **kw)
+
+    monkeypatch.setattr(relay.session, "request", request)
+    for _ in range(4):
+        async with http.post(p.url + "/v1/completions",
+                             json={"model": "m", "prompt": "x", "max_tokens": 2}) as r:  # fmt: skip
+            assert r.status == 200, await r.text()
+    assert len(b.forwarded()) == 4
+    assert p.app[TABLE].ranks["a"].routable  # up, if talking nonsense: not marked down
