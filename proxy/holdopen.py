@@ -93,6 +93,7 @@ class HeldStream:
         self.hold_reason = ""
         self.resume_mode = "engine"  # who ends the next hold, as metrics count it
         self.writing = False
+        self.client_gone = False  # a write to the client failed: it left
         self.access = accesslog.current()
         self.continuations = 0
         self.hold_span: Span | None = None  # when tracing is on
@@ -172,6 +173,8 @@ class HeldStream:
                 if outcome is not None:
                     return outcome
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            if self.client_gone:
+                raise  # nothing to hold or continue for a client that left
             log.info("[%s] upstream %s lost: %r", self.out.request_id, attempt.rank.name, e)
         finally:
             attempt.response.close()
@@ -448,5 +451,8 @@ class HeldStream:
         self.writing = True
         try:
             await self.sink.write(data)
+        except (ConnectionError, aiohttp.ClientError):
+            self.client_gone = True  # the client's side failed, not the upstream's
+            raise
         finally:
             self.writing = False

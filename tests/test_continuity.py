@@ -104,7 +104,18 @@ async def test_engine_side_resume_is_relayed_on(fakes, proxy, http) -> None:
     assert text_of(chunks) == detok(fault_free(tokenize("hello"), 30))
     assert finishes(chunks) == ["length"] and keepalives >= 2
     assert len(a.received) == 1  # no continuation: the engine went on itself
-    assert p.app[METRICS].resumes.labels("engine")._value.get() == 1
+    assert_engine_resumed_every_hold(p.app[METRICS])
+
+
+def assert_engine_resumed_every_hold(metrics: Any) -> None:
+    """Every hold ended by the engine going on, none by a continuation.
+    Usually one hold; on a loaded box a gap between resumed tokens, seen
+    before the next poll says healthy again, is a second (correct) hold."""
+    holds = [s.value for m in metrics.hold_seconds.collect() for s in m.samples
+             if s.name.endswith("_count")]  # fmt: skip
+    engine = metrics.resumes.labels("engine")._value.get()
+    assert engine >= 1 and holds == [engine]
+    assert metrics.resumes.labels("continuation")._value.get() == 0
 
 
 async def test_stop_string_straddling_the_splice(fakes, proxy, http) -> None:
@@ -279,7 +290,7 @@ async def test_a_peer_fault_holds_a_stalled_stream(fakes, proxy, http) -> None:
     chunks, keepalives, _ = await read_stream(http, p.url, "/v1/completions", completion(30))
     await follower
     assert text_of(chunks) == detok(fault_free(tokenize("hello"), 30)) and keepalives >= 1
-    assert p.app[METRICS].resumes.labels("engine")._value.get() == 1
+    assert_engine_resumed_every_hold(p.app[METRICS])
 
 
 def test_common_chunks_take_the_byte_path_and_match_the_parsed_one() -> None:

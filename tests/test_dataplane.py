@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import Counter
 from typing import Any
@@ -11,6 +12,7 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from proxy import generation
 from proxy.state import RELAY, TABLE
 from tests.conftest import FAST_POLL_S, replicas, settings_for
 
@@ -134,6 +136,10 @@ async def test_client_disconnect_closes_the_upstream_request(fakes, proxy, http)
             break
         await asyncio.sleep(0.05)
     assert a.disconnects == 1
+    await asyncio.sleep(0.5)
+    # A failed write to a client that left is not an upstream fault: no hold,
+    # no continuation sent on its behalf.
+    assert len(a.received) == 1
 
 
 async def test_stream_is_relayed_event_by_event(fakes, proxy, http) -> None:
@@ -263,3 +269,25 @@ async def test_a_malformed_answer_fails_over_without_marking_the_rank(
             assert r.status == 200, await r.text()
     assert len(b.forwarded()) == 4
     assert p.app[TABLE].ranks["a"].routable  # up, if talking nonsense: not marked down
+
+
+async def test_a_failed_write_to_the_client_is_not_an_upstream_fault(
+    fakes, proxy, http, monkeypatch, caplog
+) -> None:
+    a = await fakes(name="a", token_delay_s=0.02)
+    p = await proxy(settings_for([a]))
+    real, writes = generation.ChunkSink.write, []
+
+    async def write(self: Any, data: bytes) -> None:
+        writes.append(data)
+        if len(writes) == 3:  # the client's socket fails mid-stream
+            raise ConnectionResetError("Cannot write to closing transport")
+        await real(self, data)
+
+    monkeypatch.setattr(generation.ChunkSink, "write", write)
+    with contextlib.suppress(aiohttp.ClientError):
+        async with http.post(p.url + "/v1/completions", json=completion(50, stream=True)) as r:
+            await r.read()
+    await asyncio.sleep(0.5)
+    assert len(a.received) == 1  # nothing continued for a client that left
+    assert "stream held" not in caplog.text
