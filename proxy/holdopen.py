@@ -126,7 +126,7 @@ class HeldStream:
                 if outcome == UPSTREAM_ERROR:
                     self._ended(End.UPSTREAM_ERROR)
                     break  # its error event already went to the client
-                if outcome == INCOMPLETE:
+                if outcome == INCOMPLETE and not await self._fault_explains_end():
                     # Not a fault: continuing would get the same answer again,
                     # without end (seen: thousands of requests a second).
                     raise StreamFailed("the rank ended the stream without a finish reason",
@@ -434,6 +434,21 @@ class HeldStream:
         faulted = self._faulted_in_group()
         if faulted is not None and idle > self.cfg.keepalive_s:
             self._hold(f"rank {faulted.name} of its group is {faulted.own_fault}")
+
+    async def _fault_explains_end(self) -> bool:
+        """A stream that ended without a finish reason is continued only when
+        its group shows a fault within a short window: vLLM ends a chat
+        stream aborted before its first token with a bare ``[DONE]``, and the
+        fault reaches the rank table a moment before or after."""
+        timeouts = self.relay.settings.timeouts
+        window = max(2 * timeouts.poll_interval_s, 0.5)
+        if not await self.relay.table.wait_for(lambda: self._faulted_in_group() is not None,
+                                               window):  # fmt: skip
+            return False
+        faulted = self._faulted_in_group()
+        name = faulted.name if faulted is not None else "?"
+        self._fault(f"ended without a finish reason while rank {name} of its group is faulted")
+        return True
 
     def _faulted_in_group(self) -> Rank | None:
         if self.rank is None:

@@ -5,8 +5,9 @@ What they copy from the real engine (see the project's vLLM FT facts):
 healthy after a delay; rejected with ``ft_error`` when not unhealthy);
 ``/health`` stays 200 while unhealthy; a new request to an unhealthy rank
 hangs until recovery; an in-flight stream ends with one ``"abort"`` chunk and
-``[DONE]`` on a fault; ``return_token_ids`` adds ``prompt_token_ids`` and
-``token_ids``; a list of ids is accepted as a completions prompt.
+``[DONE]`` on a fault (a bare ``[DONE]`` when it had generated nothing);
+``return_token_ids`` adds ``prompt_token_ids`` and ``token_ids``; a list of
+ids is accepted as a completions prompt.
 
 The "model" is a deterministic autoregressive function of the whole context,
 so a duplicated or lost token changes every token after it.
@@ -71,6 +72,7 @@ class FakeRank:
     name: str = "fake"
     status: str = "healthy"
     token_delay_s: float = 0.0
+    first_token_delay_s: float = 0.0  # a stream's prefill: open, nothing generated yet
     recover_delay_s: float = 0.05
     has_ft: bool = True
     # "ok" | "reset" (close the connection without answering) | "500"
@@ -345,11 +347,17 @@ class FakeRank:
             await resp.write(_sse(role))
         ctx = list(prompt)
         n = default_max_tokens(body, prompt, chat)
+        if self.first_token_delay_s:
+            await asyncio.sleep(self.first_token_delay_s)
         for i in range(n):
             if self._faulted.is_set() and self.resume:
                 await self._healthy.wait()  # paused, then the same request goes on
             if self._faulted.is_set():  # vLLM: flush the held-back text, then abort
-                await resp.write(_sse(s.chunk(s.held, "abort", [])))
+                # ... unless nothing was generated: vLLM skips an output with
+                # no text, no ids and no tokens before it, even an abort, so
+                # the stream ends with a bare [DONE] (chat: after its role).
+                if i > 0 or s.held:
+                    await resp.write(_sse(s.chunk(s.held, "abort", [])))
                 break
             tok = next_token(ctx)
             ctx.append(tok)

@@ -145,6 +145,30 @@ async def test_fault_before_the_first_token_restarts(fakes, proxy, http) -> None
     assert text_of(chunks) == detok(fault_free(tokenize("hello"), 10))
 
 
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+async def test_a_bare_done_during_a_fault_restarts_the_request(fakes, proxy, http, chat) -> None:
+    # vLLM skips an output with nothing generated, even an abort: a stream
+    # aborted during its prefill ends with a bare [DONE] (chat: after its
+    # role). With the group faulted that is a fault, not an incomplete answer.
+    a = await fakes(name="a", token_delay_s=0.002, first_token_delay_s=0.3)
+    p = await proxy(settings_for([a], hold=HOLD))
+    if chat:
+        path, prompt = "/v1/chat/completions", chat_prompt([{"role": "user", "content": "x"}])
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 12, "stream": True}  # fmt: skip
+    else:
+        path, prompt, body = "/v1/completions", tokenize("hello"), completion(12)
+    task = asyncio.create_task(read_stream(http, p.url, path, body))
+    await asyncio.sleep(0.1)
+    a.fault()  # during the prefill: nothing generated yet
+    await asyncio.sleep(0.4)
+    a.recover()
+    chunks, _, done = await task
+    assert [c for c in chunks if "error" in c] == [] and done
+    assert text_of(chunks) == detok(fault_free(prompt, 12)) and finishes(chunks) == ["length"]
+    assert len(a.received) == 2  # the request, then its restart
+
+
 async def test_abort_as_first_chunk_restarts_the_request(fakes, proxy, http) -> None:
     a = await fakes(name="a", token_delay_s=0.002, fault_after=1, auto_recover_s=0.1)
     b = await fakes(name="b", token_delay_s=0.002)
