@@ -21,16 +21,7 @@ from tests.e2e.conftest import RigPool
 pytestmark = pytest.mark.e2e
 
 
-ABORT_TEXT = pytest.mark.xfail(
-    reason="issue 8: after vLLM's abort a whole answer repeats its partial text "
-    "(and a splice can echo prompt text); the splice rewrite removes this xfail",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize(
-    "resume", [True, pytest.param(False, marks=ABORT_TEXT)], ids=["engine-resume", "vllm-abort"]
-)
+@pytest.mark.parametrize("resume", [True, False], ids=["engine-resume", "vllm-abort"])
 async def test_soak_every_answer_matches_the_oracle(rig_pool: RigPool, resume: bool) -> None:
     live = rig_pool.get(resume=resume)
     faults = int(os.environ.get("FTPROXY_SOAK_FAULTS", "3"))
