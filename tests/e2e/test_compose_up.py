@@ -21,9 +21,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import pytest
 
 from tests.conftest import free_port
@@ -38,6 +36,7 @@ from tests.e2e.containers import (
     podman_service,
     wheel_server,
 )
+from tests.e2e.test_continuity import run_stream
 
 pytestmark = pytest.mark.e2e
 
@@ -82,27 +81,6 @@ def engine(tmp_path: Path, rig_pool: RigPool) -> Iterator[Engine]:
         except RuntimeError as e:
             unavailable(f"no container engine can start here: {e}")
         yield eng
-
-
-async def stream(url: str) -> dict[str, Any]:
-    ids: list[int] = []
-    finishes, errors = [], []
-    async with (
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http,
-        http.post(url + "/v1/completions", json=BODY) as r,
-    ):
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                errors.append(chunk["error"])
-            for c in chunk.get("choices") or []:
-                ids.extend(c.get("token_ids") or [])
-                if c.get("finish_reason"):
-                    finishes.append(c["finish_reason"])
-    return {"ids": ids, "finishes": finishes, "errors": errors}
 
 
 def get(url: str, token: str | None = None) -> str:
@@ -163,13 +141,13 @@ async def test_compose_up_stream_survives_a_fault(
         assert rank_statuses(url) == {"r0": "healthy", "r1": "healthy"}
         timer.lap("healthy")
 
-        reference = await stream(url)
+        reference = await run_stream(url, "/v1/completions", BODY)
         assert reference["errors"] == [] and reference["finishes"] == ["length"], reference
         assert len(reference["ids"]) == MAX_TOKENS
         timer.lap("reference request")
 
         rank1 = compose.container("rank1")
-        running = asyncio.create_task(stream(url))
+        running = asyncio.create_task(run_stream(url, "/v1/completions", BODY))
         await asyncio.sleep(0.5)
         # Rank 1 faults 30 DP steps from now: about a quarter into the stream.
         engine.podman("exec", rank1, "sh", "-c", "echo 30 > /tmp/ftproxy-fault")
