@@ -131,8 +131,22 @@ async def engines(rig: LiveRig) -> AsyncIterator[Engines]:
     await fake.stop()
 
 
+def _without_merge_timing(real: dict[str, Any], fake: dict[str, Any]) -> None:
+    """Drop ``middle`` from both when either stream has no middle chunk.
+
+    vLLM merges the tokens a busy engine produced between two sends into one
+    chunk, so a short stream may arrive as just a first and a last chunk
+    (seen in CI: 4 tokens in 2 chunks). How many chunks there are is timing,
+    not a fact of the API; the shape of the middle chunks is, when both have some.
+    """
+    if not real.get("middle", True) or not fake.get("middle", True):
+        real.pop("middle", None)
+        fake.pop("middle", None)
+
+
 async def both(engines: Engines, facts: Callable[[Ask], Awaitable[dict[str, Any]]]) -> None:
     real, fake = await facts(engines["real"][1]), await facts(engines["fake"][1])
+    _without_merge_timing(real, fake)
     assert fake == real, f"fake differs from vLLM:\nreal {real}\nfake {fake}"
 
 
@@ -164,7 +178,7 @@ async def test_string_false_is_false(engines: Engines, stream: bool) -> None:
     """``"return_token_ids": "false"`` is coerced by vLLM's pydantic model."""
 
     async def facts(ask: Ask) -> dict[str, Any]:
-        body = {"prompt": "The proxy", "max_tokens": 4, "return_token_ids": "false",
+        body = {"prompt": "The proxy", "max_tokens": 8, "return_token_ids": "false",
                 "stream": stream, **GREEDY}  # fmt: skip
         r = await ask("/v1/completions", body)
         return stream_facts(r) if stream else {"status": r.status, **choice_shape(first_choice(r))}
