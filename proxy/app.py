@@ -220,8 +220,11 @@ def _background(
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     t, limits = app[SETTINGS].timeouts, app[SETTINGS].limits
-    session = make_session(t, limits.upstream_connections_per_rank)
-    fresh = make_session(t, fresh=True)
+    # One session for every call to a rank (relay, polls, models, recovery),
+    # so https:// ranks are verified the same way everywhere.
+    tls = app[SETTINGS].upstream_tls.context()
+    session = make_session(t, limits.upstream_connections_per_rank, tls=tls)
+    fresh = make_session(t, fresh=True, tls=tls)
     app[SESSION] = session
     app[RELAY] = Relay(app[TABLE], session, app[SETTINGS], app[METRICS], fresh)
     app[RELAY].tracing = app[TRACING]

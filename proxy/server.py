@@ -31,6 +31,7 @@ class Running:
     runner: web.AppRunner
     app: web.Application
     port: int
+    scheme: str = "http"
     stopped: bool = False
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -47,7 +48,7 @@ class Running:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     async def stop(self) -> None:
         if not self.stopped:
@@ -82,14 +83,17 @@ async def start(
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     await runner.setup()
+    tls = settings.listen.tls
+    ctx = tls.context() if tls is not None else None
     site: web.BaseSite
     if sock is not None:
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, ssl_context=ctx)
     else:
-        site = web.TCPSite(runner, settings.listen.host, settings.listen.port, backlog=1024)
+        site = web.TCPSite(runner, settings.listen.host, settings.listen.port, backlog=1024,
+                           ssl_context=ctx)  # fmt: skip
     await site.start()
     port = runner.addresses[0][1]
-    running = Running(runner, app, port)
+    running = Running(runner, app, port, "https" if ctx is not None else "http")
     if coord is not None and coord.leader_socket is not None:
         running.tasks.append(asyncio.create_task(_leader_socket(runner, coord)))
     return running
@@ -119,7 +123,8 @@ async def serve_forever(
     coord: Coordination | None = None,
 ) -> None:
     running = await start(settings, config_path, sock, coord)
-    log.info("ft-proxy listening on http://%s:%d", settings.listen.host, running.port)
+    log.info("ft-proxy listening on %s://%s:%d", running.scheme, settings.listen.host,
+             running.port)  # fmt: skip
     stop = asyncio.Event()
 
     def on_signal() -> None:

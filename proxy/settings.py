@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from yarl import URL
 
 from proxy.target import DEFAULT_FORWARD, parse_forward
+from proxy.tls import ListenerTLS, UpstreamTLS
 
 
 class ConfigError(Exception):
@@ -26,6 +27,7 @@ class ConfigError(Exception):
 class Listen(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    tls: ListenerTLS | None = None  # set: HTTPS only on this port (proxy.tls)
 
 
 class RankConfig(BaseModel):
@@ -243,6 +245,8 @@ class Settings(BaseSettings):
     limits: Limits = Limits()
     hold: Hold = Hold()
     admin: Admin = Admin()
+    # How https:// rank URLs are verified, and a client certificate for them.
+    upstream_tls: UpstreamTLS = UpstreamTLS()
     routing: Routing = Routing()
     shutdown: Shutdown = Shutdown()
     # Worker processes sharing the listener (proxy.supervisor); 1: no supervisor.

@@ -5,6 +5,7 @@ Upstream only sends and closes; which rank to use is the balancer's call.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 
 import aiohttp
@@ -22,14 +23,17 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 
 
-def make_session(t: Timeouts, per_rank: int = 0, fresh: bool = False) -> aiohttp.ClientSession:
+def make_session(
+    t: Timeouts, per_rank: int = 0, fresh: bool = False, tls: ssl.SSLContext | bool = True
+) -> aiohttp.ClientSession:
     """The pooled session (``per_rank`` connections per rank at most, idle
     ones closed after ``upstream_idle_s``), or with ``fresh`` one that opens a
     new connection per request and never keeps it (the resend after a pooled
-    connection turned out closed by the rank)."""
+    connection turned out closed by the rank). ``tls``: for https:// ranks
+    (proxy.tls.UpstreamTLS.context)."""
     # No decompression so bytes reach the client exactly as the rank sent them.
     connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=per_rank, force_close=fresh,
+        limit=0, limit_per_host=per_rank, force_close=fresh, ssl=tls,
         keepalive_timeout=None if fresh else t.upstream_idle_s,
         ttl_dns_cache=300, enable_cleanup_closed=True,
     )  # fmt: skip

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ class FakeRank:
     applies: list[dict[str, Any]] = field(default_factory=list)
     status_at_apply: list[str] = field(default_factory=list)
     url: str = ""
+    # Set: serve HTTPS with it (url is then https://127.0.0.1:port).
+    ssl_context: ssl.SSLContext | None = None
     _runner: web.AppRunner | None = None
     _healthy: asyncio.Event = field(default_factory=asyncio.Event)
     _faulted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -164,9 +167,10 @@ class FakeRank:
         app.router.add_route("*", "/{tail:.*}", self._echo)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        site = web.TCPSite(self._runner, "127.0.0.1", port, ssl_context=self.ssl_context)
         await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self._runner.addresses[0][1]}"
         return self
 
     async def stop(self) -> None:
