@@ -51,6 +51,21 @@ _ENDS = {"hold_timeout": End.HOLD_TIMEOUT, "budget_exceeded": End.HOLD_TIMEOUT,
          "continuation_failed": End.UPSTREAM_ERROR}  # fmt: skip
 
 
+# How much of a refused continuation's body is read for the log, and for how
+# long: an error body is the upstream's, so it may be huge, slow or not UTF-8.
+ERROR_BODY_MAX = 2048
+ERROR_BODY_WAIT_S = 1.0
+
+
+async def _error_text(response: aiohttp.ClientResponse) -> str:
+    try:
+        async with asyncio.timeout(ERROR_BODY_WAIT_S):
+            raw = await response.content.read(ERROR_BODY_MAX)
+    except (TimeoutError, aiohttp.ClientError):
+        raw = b""
+    return raw.decode("utf-8", errors="replace")
+
+
 # Book.on_original or Book.on_continuation: one parsed chunk in, client chunks out.
 Handle = Callable[[dict[str, Any]], Emit]
 
@@ -352,7 +367,7 @@ class HeldStream:
         return None
 
     async def _continuation_refused(self, attempt: Attempt) -> None:
-        status, text = attempt.response.status, await attempt.response.text()
+        status, text = attempt.response.status, await _error_text(attempt.response)
         attempt.response.release()
         self.metrics.continuation_failures.inc()
         log.warning("[%s] continuation on %s answered %d: %s", self.out.request_id,

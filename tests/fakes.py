@@ -76,7 +76,7 @@ class FakeRank:
     first_token_delay_s: float = 0.0  # a stream's prefill: open, nothing generated yet
     recover_delay_s: float = 0.05
     has_ft: bool = True
-    # "ok" | "reset" (close the connection without answering) | "500"
+    # "ok" | "reset" (close the connection without answering) | "500" | "500-bytes"
     mode: str = "ok"
     # Close, unanswered, a generation request that arrives on a connection an
     # earlier one used: the race of a keep-alive running out as it is reused.
@@ -276,6 +276,9 @@ class FakeRank:
         if mode == "500":
             return web.json_response({"error": {"message": "EngineCore encountered an issue"}},
                                      status=500)  # fmt: skip
+        if mode == "500-bytes":  # what a broken server or a proxy in between may send
+            return web.Response(body=b"\xff\xfe not utf-8 \xc3", status=500,
+                                content_type="text/plain", charset="utf-8")  # fmt: skip
         await self._healthy.wait()  # a faulted engine holds new requests
         try:
             if as_bool(body.get("stream")):

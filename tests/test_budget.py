@@ -57,6 +57,17 @@ async def test_continuations_answered_500_back_off_within_the_budget(fakes, prox
     assert await metric(http, p.url, "ftproxy_upstream_requests_per_request_sum") == 1 + BUDGET
 
 
+async def test_a_refusal_with_a_body_that_is_not_utf8_is_logged_and_backed_off(
+    fakes, proxy, http
+) -> None:
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=5, auto_recover_s=0.01,
+                    then_mode="500-bytes")  # fmt: skip
+    p = await proxy(settings_for([a], hold=HOLD))
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", body())
+    assert error_of(chunks)["code"] == "budget_exceeded" and done
+    assert len(a.received) == 1 + BUDGET
+
+
 async def test_a_hanging_continuation_ends_at_the_total_hold_budget(fakes, proxy, http) -> None:
     a = await fakes(name="a", token_delay_s=0.002, fault_after=5, auto_recover_s=0.01,
                     then_mode="hang")  # fmt: skip
