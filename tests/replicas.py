@@ -6,19 +6,32 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import pytest
 import yaml
 
 from tests.conftest import free_port
-from tests.fakes import FakeRank
 
 TOKEN = "w0rkers"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class RankLike(Protocol):
+    """A fake rank, or a real one (``status_feed``: its push feed, if any)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+
+
+def _rank_config(rank: RankLike) -> dict[str, Any]:
+    feed = getattr(rank, "status_feed", None)
+    return {"name": rank.name, "url": rank.url, **({"status_feed": feed} if feed else {})}
 
 
 class Replica:
@@ -58,14 +71,14 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 async def replica(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Replica]]]:
     started: list[Replica] = []
 
-    async def make(ranks: list[FakeRank], workers: int = 2, auto: bool = False,
+    async def make(ranks: Sequence[RankLike], workers: int = 2, auto: bool = False,
                    extra: dict[str, Any] | None = None) -> Replica:  # fmt: skip
         port = free_port()
         cfg = tmp_path / f"proxy-{port}.yaml"
         config = _merge({
             "listen": {"host": "127.0.0.1", "port": port},
             "groups": [{"name": "dp-a",
-                        "ranks": [{"name": r.name, "url": r.url} for r in ranks],
+                        "ranks": [_rank_config(r) for r in ranks],
                         "auto_recovery": {"enabled": auto, "grace_s": 0.2}}],
             "admin": {"token": TOKEN}, "timeouts": {"poll_interval_s": 0.05},
             "shutdown": {"ready_delay_s": 0.3, "grace_s": 2}, "log_level": "WARNING",
@@ -80,7 +93,8 @@ async def replica(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Repli
         started.append(rep)
         for _ in range(200):
             try:
-                if (await rep.get("/health"))[0] == 200 and len(rep.workers()) == workers:
+                forked = workers == 1 or len(rep.workers()) == workers  # 1: no supervisor
+                if forked and (await rep.get("/health"))[0] == 200:
                     break
             except (aiohttp.ClientError, OSError):
                 pass
