@@ -154,6 +154,7 @@ class HeldStream:
                     await self._write(event(data))
         except StreamFailed as e:
             log.warning("[%s] stream ends with an error: %s", self.out.request_id, e)
+            self.metrics.stream_errors.labels(e.code).inc()
             self._ended(_ENDS.get(e.code, End.UPSTREAM_ERROR))
             for data in self.book.closing():
                 await self._write(event(data))

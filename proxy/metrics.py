@@ -149,6 +149,11 @@ class Metrics:
             "ftproxy_refusals", "Requests the proxy answered with an error itself, by reason",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.stream_errors = Counter(
+            "ftproxy_stream_errors", "Streams the proxy ended with an error event of its own, "
+            "by reason (hold_capacity, budget_exceeded, hold_timeout, upstream_incomplete, ...)",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.client_disconnects = Counter(
             "ftproxy_client_disconnects", "Clients that left before their answer ended", registry=r
         )

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.budget import BACKOFF_CAP_S, backoff_s
-from tests.conftest import settings_for
+from tests.conftest import replicas, settings_for
 from tests.test_continuity import read_stream
 
 BUDGET = 3
@@ -66,6 +66,21 @@ async def test_a_refusal_with_a_body_that_is_not_utf8_is_logged_and_backed_off(
     chunks, _, done = await read_stream(http, p.url, "/v1/completions", body())
     assert error_of(chunks)["code"] == "budget_exceeded" and done
     assert len(a.received) == 1 + BUDGET
+
+
+async def test_continuations_failing_over_between_ranks_share_one_budget(
+    fakes, proxy, http
+) -> None:
+    # Every continuation gets 500 wherever it goes; failing over to the other
+    # rank (limits.upstream_retries) spends the same budget, not a new one.
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=5, auto_recover_s=0.01,
+                    then_mode="500")  # fmt: skip
+    b = await fakes(name="b", mode="500")
+    p = await proxy(replicas([a, b], weights=[100, 1], hold=HOLD))
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", body())
+    assert error_of(chunks)["code"] == "budget_exceeded" and done
+    assert len(a.received) + len(b.received) == 1 + BUDGET
+    assert await metric(http, p.url, "ftproxy_upstream_requests_per_request_sum") == 1 + BUDGET
 
 
 async def test_a_hanging_continuation_ends_at_the_total_hold_budget(fakes, proxy, http) -> None:

@@ -8,9 +8,17 @@ import json
 import time
 from typing import Any
 
-from proxy.state import RELAY
+from proxy.state import METRICS, RELAY
 from tests.conftest import replicas, settings_for
-from tests.test_continuity import HOLD, completion, read_stream
+from tests.fakes import detok, tokenize
+from tests.test_continuity import (
+    HOLD,
+    completion,
+    fault_free,
+    finishes,
+    read_stream,
+    text_of,
+)
 
 FAST = {"header_timeout_s": 0.5, "body_timeout_s": 0.5}
 
@@ -156,4 +164,30 @@ async def test_held_streams_beyond_the_limit_end_with_an_error(fakes, proxy, htt
                              limits={"max_held_streams": 0}))  # fmt: skip
     chunks, _, done = await read_stream(http, p.url, "/v1/completions", completion(30))
     assert done and chunks[-1]["error"]["code"] == "hold_capacity"
+    assert p.app[RELAY].held == 0
+    assert p.app[METRICS].stream_errors.labels("hold_capacity")._value.get() == 1
+
+
+async def test_held_streams_are_capped_at_the_limit_and_the_rest_stay_exact(
+    fakes, proxy, http
+) -> None:
+    # One fault aborts all three streams at once; one hold slot for them.
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=5, auto_recover_s=0.3)
+    b = await fakes(name="b", token_delay_s=0.002)
+    p = await proxy(replicas([a, b], weights=[100, 1], hold=HOLD,
+                             limits={"max_held_streams": 1}))  # fmt: skip
+    results = await asyncio.gather(
+        *(read_stream(http, p.url, "/v1/completions", completion(30)) for _ in range(3))
+    )
+    refused = 0
+    for chunks, _, done in results:
+        assert done
+        if "error" in chunks[-1]:
+            assert chunks[-1]["error"]["code"] == "hold_capacity"
+            refused += 1
+        else:  # held within the limit: continued exactly
+            assert text_of(chunks) == detok(fault_free(tokenize("hello"), 30))
+            assert finishes(chunks) == ["length"]
+    assert refused >= 1
+    assert p.app[METRICS].stream_errors.labels("hold_capacity")._value.get() == refused
     assert p.app[RELAY].held == 0
