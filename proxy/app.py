@@ -250,10 +250,9 @@ async def _push(app: web.Application) -> None:
 
 
 async def _auto_recovery(app: web.Application) -> None:
-    # Only the leader starts rounds: one fault, one round, however many
-    # processes watch the same ranks.
+    # Only a group's leader starts its rounds: one fault, one round, however
+    # many processes watch the same ranks (each group waits for its own).
     coord = app[COORD]
-    await coord.wait_leader()
     await AutoRecovery(app[RECOVERY], coord.wait_leader, coord.run_round,
                        coord.wait_round_idle).run()  # fmt: skip
 

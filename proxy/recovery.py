@@ -272,14 +272,15 @@ class AutoRecovery:
     def __init__(
         self,
         recovery: Recovery,
-        gate: Callable[[], Awaitable[None]] | None = None,
+        gate: Callable[[str], Awaitable[None]] | None = None,
         start: Callable[[RoundSpec, str], Awaitable[RoundReport]] | None = None,
         wait_idle: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.recovery = recovery
         self.table = recovery.table
         self.metrics = recovery.metrics
-        # gate: returns once this process may start rounds (it leads);
+        # gate(group): returns once this process may start the group's rounds
+        # (it leads the group);
         # start / wait_idle: a shared round store's, when there is one.
         self.gate = gate
         self.start = start or recovery.run
@@ -302,7 +303,7 @@ class AutoRecovery:
             delay = cfg.grace_s if attempts == 0 else cfg.backoff_s * 2 ** (attempts - 1)
             await asyncio.sleep(delay)
             if self.gate is not None:
-                await self.gate()  # leadership may have moved during the grace
+                await self.gate(name)  # leadership may have moved during the grace
             if not self._all_unhealthy(name):
                 self._decide(name, "skipped", "the group changed during the grace period")
                 continue

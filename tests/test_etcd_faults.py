@@ -29,10 +29,10 @@ async def _until(pred, timeout: float) -> bool:  # noqa: ASYNC109 - a bool, not 
 
 
 async def test_leadership_comes_back_after_one_failed_renewal(etcd, monkeypatch) -> None:
-    coord = Etcd(EtcdConfig(endpoints=[etcd], prefix="/t-lead", lease_ttl_s=6))
+    coord = Etcd(EtcdConfig(endpoints=[etcd], prefix="/t-lead", lease_ttl_s=6), ["dp-a"])
     task = asyncio.create_task(coord.run())
     try:
-        assert await _until(coord.is_leader, 5)
+        assert await _until(lambda: coord.is_leader("dp-a"), 5)
         real = coord.client.keepalive
         failed = asyncio.Event()
 
@@ -45,7 +45,7 @@ async def test_leadership_comes_back_after_one_failed_renewal(etcd, monkeypatch)
         await asyncio.wait_for(failed.wait(), 30)
         # Stepped down on the error; the lease (6 s) and its key lived on:
         # the next tick (2 s on) finds the key its own and leads again.
-        assert await _until(coord.is_leader, 5)
+        assert await _until(lambda: coord.is_leader("dp-a"), 5)
     finally:
         task.cancel()
         await coord.close()

@@ -129,12 +129,46 @@ async def test_a_dead_driver_or_leader_is_replaced_with_one_fan_out(fakes, repli
         caller.cancel()
 
         # kill -9 of the leader: the next fault is still recovered, once.
-        leader, _ = await client.get("/ftproxy/leader")
+        leader, _ = await client.get("/ftproxy/leader/dp-a")
         os.kill(int(leader.split(":")[1]), signal.SIGKILL)
         a.fault()
         b.fault()
         await recovered_once_more(a, b, 2, within=TTL_S + 6)
-        now, _ = await client.get("/ftproxy/leader")
+        now, _ = await client.get("/ftproxy/leader/dp-a")
         assert now != leader
+    finally:
+        await client.close()
+
+
+async def test_each_group_has_its_own_leader(fakes, replica, etcd) -> None:
+    a, b, c, d = [await fakes(name=n) for n in "abcd"]
+    groups = {"groups": [
+        {"name": name, "ranks": [{"name": r.name, "url": r.url} for r in ranks],
+         "auto_recovery": {"enabled": True, "grace_s": 0.2}}
+        for name, ranks in (("dp-a", [a, b]), ("dp-b", [c, d]))]}  # fmt: skip
+    reps = [await replica([a, b], workers=2, auto=True, extra={**coordinated(etcd), **groups})
+            for _ in range(2)]  # fmt: skip
+    client = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        leaders = {g: (await client.get(f"/ftproxy/leader/{g}"))[0] for g in ("dp-a", "dp-b")}
+        assert all(leaders.values()), leaders
+        # Both groups fault at once: one round each, one retry per rank.
+        for rank in (a, b, c, d):
+            rank.fault()
+        await recovered_once_more(a, b, 1)
+        await recovered_once_more(c, d, 1)
+        code, body = await reps[1].get("/admin/rounds")
+        assert code == 200 and {r["group"] for r in body["rounds"]} == {"dp-a", "dp-b"}
+
+        # kill -9 of dp-b's leader: dp-b gets a new one within the lease TTL,
+        # and each group's next fault is still recovered once.
+        os.kill(int(leaders["dp-b"].split(":")[1]), signal.SIGKILL)
+        await asyncio.sleep(TTL_S + 1.5)
+        now = {g: (await client.get(f"/ftproxy/leader/{g}"))[0] for g in ("dp-a", "dp-b")}
+        assert now["dp-b"] not in (None, leaders["dp-b"]), now
+        for rank in (a, b, c, d):
+            rank.fault()
+        await recovered_once_more(a, b, 2)
+        await recovered_once_more(c, d, 2)
     finally:
         await client.close()

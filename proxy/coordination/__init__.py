@@ -2,8 +2,8 @@
 
 Three things must be one however many processes front the same ranks:
 
-* **who drives recovery** - one **leader** alone starts automatic recovery
-  rounds, so one fault never gets two;
+* **who drives recovery** - one **leader** per group alone starts automatic
+  recovery rounds for it, so one fault never gets two;
 * **the active round** of a group - whoever asks for a round joins the one
   running (same work) or is told which one runs (409);
 * **live weight overrides** (``PATCH /admin/ranks/{name}``) - in force in
@@ -18,7 +18,7 @@ Backends:
   (``--workers N``): the leader holds an exclusive ``flock``; the others
   forward round calls to it over a Unix socket; weights in a file;
 * :class:`~proxy.coordination.etcd.Etcd` - any number of replicas and
-  workers: leader lease, rounds and weights in etcd.
+  workers: a leader lease per group, rounds and weights in etcd.
 """
 
 from __future__ import annotations
@@ -67,11 +67,12 @@ class Coordination:
         assert self.recovery is not None
         return self.recovery.rounds()
 
-    def is_leader(self) -> bool:
+    def is_leader(self, group: str | None = None) -> bool:
+        """Whether this process leads ``group`` (None: any group; here: all)."""
         return self._leader.is_set()
 
-    async def wait_leader(self) -> None:
-        """Return once this process leads (for the memory backend: at once)."""
+    async def wait_leader(self, group: str | None = None) -> None:
+        """Return once this process leads ``group`` (memory: at once)."""
         await self._leader.wait()
 
     async def run(self) -> None:
@@ -103,7 +104,7 @@ def for_settings(settings: Settings, run_dir: Path | None = None) -> Coordinatio
     if settings.coordination.etcd is not None:
         from proxy.coordination.etcd import Etcd
 
-        return Etcd(settings.coordination.etcd)
+        return Etcd(settings.coordination.etcd, [g.name for g in settings.groups])
     if run_dir is not None:
         from proxy.coordination.flock import FlockFile
 

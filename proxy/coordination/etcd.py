@@ -4,8 +4,9 @@ Spoken over etcd's v3 JSON gateway (``/v3/kv/*``, ``/v3/lease/*``) with the
 aiohttp client the proxy already has: no extra dependency, no gRPC stack, and
 the few calls below are all it needs. Keys under ``prefix``:
 
-``leader``                one process's id, on its lease: it alone starts
-                          automatic rounds and takes over orphaned rounds
+``leader/<group>``        one process's id, on its lease: it alone starts
+                          the group's automatic rounds and takes over its
+                          orphaned rounds (each group has its own leader)
 ``rounds/<group>``        the group's latest round: id, instruction, params,
                           targets, state (``waiting`` -> ``sent`` -> ``done``)
                           and, once done, the report every caller gets
@@ -16,7 +17,7 @@ the few calls below are all it needs. Keys under ``prefix``:
 A round is created with a compare-and-swap, so two callers anywhere never
 start two: the loser joins (same work) or gets 409 (other work). The owner
 writes ``sent`` before it sends anything. When the owner dies its lease
-expires and the leader takes the round over: ``waiting`` -> it runs the
+expires and the group's leader takes the round over: ``waiting`` -> it runs the
 round from the start under the same id (nothing was sent); ``sent`` -> it
 only watches the ranks and writes the report. Never two fan-outs per round.
 """
@@ -32,6 +33,7 @@ import os
 import socket
 import ssl
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
@@ -183,12 +185,15 @@ class Etcd(Coordination):
     name = "etcd"
     shared_rounds = True
 
-    def __init__(self, cfg: EtcdConfig) -> None:
+    def __init__(self, cfg: EtcdConfig, groups: Iterable[str] = ()) -> None:
         super().__init__()
         self._leader.clear()
         self.cfg = cfg
         self.client = Client(cfg)
         self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        # One leader key per group, all on this process's lease. A group asked
+        # about later (wait_leader) is campaigned for from then on.
+        self._leads: dict[str, asyncio.Event] = {g: asyncio.Event() for g in groups}
         self.lease: str | None = None
         self._leased = asyncio.Event()
         self._taken: set[str] = set()  # rounds this process took over
@@ -198,43 +203,63 @@ class Etcd(Coordination):
         return "/".join([self.cfg.prefix.rstrip("/"), *parts])
 
     # -- lease and leadership -----------------------------------------------------
+    def is_leader(self, group: str | None = None) -> bool:
+        if group is None:
+            return any(e.is_set() for e in self._leads.values())
+        event = self._leads.get(group)
+        return event is not None and event.is_set()
+
+    async def wait_leader(self, group: str | None = None) -> None:
+        if group is None:
+            await self._leader.wait()  # set while this process leads any group
+            return
+        await self._leads.setdefault(group, asyncio.Event()).wait()
+
+    def _step_down(self, why: str, level: int = logging.WARNING) -> None:
+        led = sorted(g for g, e in self._leads.items() if e.is_set())
+        if led:
+            log.log(level, "%s: %s stops leading recovery of %s", why, self.me, ", ".join(led))
+        for event in self._leads.values():
+            event.clear()
+        self._leader.clear()
+
     async def run(self) -> None:
-        """Keep a lease, campaign for leadership, take over orphaned rounds."""
+        """Keep a lease, campaign for each group, take over orphaned rounds."""
         every = max(self.cfg.lease_ttl_s / 3, 0.3)
         while True:
             try:
                 await self._tick()
             except EtcdError as e:
                 log.warning("etcd: %s", e)
-                if self.is_leader():  # unsure we still hold it: stop leading
-                    log.warning("etcd unreachable: %s stops leading recovery", self.me)
-                    self._leader.clear()
+                self._step_down("etcd unreachable")  # unsure we still hold them
             await asyncio.sleep(every)
 
     async def _tick(self) -> None:
         if self.lease is None or not await self.client.keepalive(self.lease):
-            if self.is_leader():
-                log.warning("lease lost: %s stops leading recovery", self.me)
-                self._leader.clear()
+            self._step_down("lease lost")
             self.lease = await self.client.grant(self.cfg.lease_ttl_s)
             self._leased.set()
-        if not self.is_leader() and await self._campaign():
-            log.info("%s leads recovery (etcd lease %s)", self.me, self.lease)
-            self._leader.set()
+        for group, event in list(self._leads.items()):
+            if not event.is_set() and await self._campaign(group):
+                log.info("%s leads recovery of group %s (etcd lease %s)", self.me, group,
+                         self.lease)  # fmt: skip
+                event.set()
+                self._leader.set()
         if self.is_leader():
             await self._take_over_orphans()
 
-    async def _campaign(self) -> bool:
-        """Take the leader key; or find it still ours (this process stepped
-        down on an etcd error while its lease, and so its key, lived on)."""
+    async def _campaign(self, group: str) -> bool:
+        """Take the group's leader key; or find it still ours (this process
+        stepped down on an etcd error while its lease, and so its key, lived on)."""
         assert self.lease is not None
-        if await self.client.create(self._key("leader"), self.me, self.lease):
+        key = self._key("leader", group)
+        if await self.client.create(key, self.me, self.lease):
             return True
-        holder, _ = await self.client.get(self._key("leader"))
+        holder, _ = await self.client.get(key)
         return bool(holder == self.me)
 
     async def close(self) -> None:
-        self._leader.clear()
+        self._step_down("stopping", logging.INFO)
         for task in self._tasks:
             task.cancel()
         if self.lease is not None:
@@ -300,6 +325,8 @@ class Etcd(Coordination):
             record = json.loads(raw)
             if record.get("state") == "done" or record["round_id"] in self._taken:
                 continue
+            if not self.is_leader(record["group"]):
+                continue  # the group's own leader takes it over
             owner = self.me
             if not await self.client.create(key + "/owner", owner, self.lease):
                 continue
