@@ -14,19 +14,27 @@ is the only value taken from the body.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import enum
+import io
+import logging
+import os
 import re
 import sys
-import time
+import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from time import monotonic, time
+from typing import TextIO
 
 import orjson
 
 from proxy.errors import NoHealthyRank, ProxyError
 from proxy.metrics import Metrics
+
+log = logging.getLogger("ftproxy.accesslog")
 
 
 class End(enum.StrEnum):
@@ -43,69 +51,65 @@ class End(enum.StrEnum):
     ERROR = "error"  # a bug in the proxy: see the event log
 
 
-class AccessRecord:
-    """What one client request did; fields stay None when they do not apply."""
+_LOGGER = "ftproxy.access"
 
-    # Class-level defaults: a request sets only what happened to it.
-    status = 0
-    model: str | None = None
-    group: str | None = None
-    queue_s = 0.0
-    ttfb_s: float | None = None
-    # Read at write time, so a request cut short still reports its tokens.
-    tokens: Callable[[], tuple[int | None, int | None]] | None = None
-    usage_raw: bytes | None = None  # a whole answer's body, for its usage only
-    holds = 0
-    hold_s = 0.0
-    continuations = 0
-    end: End | None = None
+
+class AccessRecord:
+    """What one client request did; fields stay None when they do not apply.
+
+    The instance dict *is* the json line: ``__init__`` sets every field of the
+    line, in the line's key order, and :meth:`AccessLog.write` hands ``vars(rec)``
+    to orjson as it is (no dict built per line; measured: 0.4 us less per
+    request). What is not a field of the line lives in slots, outside that
+    dict. So: never set an attribute here that ``__init__`` does not set.
+    """
+
+    __slots__ = ("__dict__", "start", "tokens", "usage_raw")
 
     def __init__(self, request_id: str, method: str, path: str) -> None:
-        self.request_id, self.method, self.path = request_id, method, path
-        self.start = time.monotonic()
-        self.ranks: list[str] = []
+        self.start = monotonic()
+        # Read at write time, so a request cut short still reports its tokens.
+        self.tokens: Callable[[], tuple[int | None, int | None]] | None = None
+        self.usage_raw: bytes | None = None  # a whole answer's body, for its usage only
+        # The line, in order. ts, duration_s and the tokens are set when it is written.
+        self.ts = ""
+        self.level = "INFO"
+        self.logger = _LOGGER
+        self.msg = "request"
+        self.request_id = request_id
+        self.method = method
+        self.path = path
+        self.status = 0
+        self.model: str | None = None
+        self.group: str | None = None
+        self.ranks: tuple[str, ...] = ()  # no allocation until a rank serves it
+        self.queue_s = 0.0
+        self.ttfb_s: float | None = None
+        self.duration_s = 0.0
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.holds = 0
+        self.hold_s = 0.0
+        self.continuations = 0
+        self.end: End | None = None
 
     def served_by(self, rank: str, group: str) -> None:
-        self.ranks.append(rank)
+        self.ranks += (rank,)
         self.group = group
 
     def first_byte(self) -> None:
         if self.ttfb_s is None:
-            self.ttfb_s = time.monotonic() - self.start
+            self.ttfb_s = monotonic() - self.start
 
-    def counts(self) -> tuple[int | None, int | None]:
-        """Prompt and completion tokens, if known."""
-        if self.tokens is not None:
-            return self.tokens()
-        if self.usage_raw is not None:
-            return _usage(self.usage_raw)
-        return None, None
-
-    def fields(self, now: float) -> dict[str, Any]:
-        """The line's fields, in a stable order (``now``: wall clock)."""
-        prompt, completion = self.counts()
-        # Seconds as measured: rounding costs more CPU than the digits cost bytes.
-        return {
-            "ts": iso(now), "level": "INFO", "logger": _LOGGER, "msg": "request",
-            "request_id": self.request_id, "method": self.method, "path": self.path,
-            "status": self.status, "model": self.model, "group": self.group,
-            "ranks": self.ranks, "queue_s": self.queue_s, "ttfb_s": self.ttfb_s,
-            "duration_s": time.monotonic() - self.start, "prompt_tokens": prompt,
-            "completion_tokens": completion, "holds": self.holds, "hold_s": self.hold_s,
-            "continuations": self.continuations, "end": self.end,
-        }  # fmt: skip
-
-
-_LOGGER = "ftproxy.access"
 
 CURRENT: ContextVar[AccessRecord | None] = ContextVar("ftproxy_access", default=None)
 # Set for every request, access log on or off: json event logs carry it.
 REQUEST_ID: ContextVar[str | None] = ContextVar("ftproxy_request_id", default=None)
 
 
-def current() -> AccessRecord | None:
-    """The record of the request this task serves, if any."""
-    return CURRENT.get()
+# The record of the request this task serves, if any. (Bound, not wrapped:
+# the relay asks for it on every request.)
+current: Callable[[], AccessRecord | None] = CURRENT.get
 
 
 _PROMPT = re.compile(rb'"prompt_tokens":\s*(\d+)')
@@ -134,88 +138,165 @@ def end_for(status: int) -> End:
     return End.REFUSED if status < 500 else End.UPSTREAM_ERROR
 
 
+# A batch is written at the latest this long after its first line, or at once
+# when it reaches FLUSH_BYTES: one write per batch, not per request.
+FLUSH_S = 0.05
+FLUSH_BYTES = 64 * 1024
+# Writes of at most PIPE_BUF bytes to a pipe are atomic: worker processes
+# sharing stderr never interleave inside a line. (POSIX guarantees 512; Linux,
+# where the proxy runs, 4096. Regular files: Linux serializes writes to one
+# file, so whole-line writes stay whole there too.)
+PIPE_BUF = 4096
+NEWLINE = orjson.OPT_APPEND_NEWLINE
+
+
 class AccessLog:
     """Formats records and writes them, one line each, to stderr.
 
-    Lines are batched per event-loop turn: a busy proxy writes many lines with
-    one call. ``stream=None`` resolves ``sys.stderr`` at write time (so a
-    redirected stderr, or a test capturing it, gets the lines).
+    Lines are kept in memory and written in batches: when FLUSH_BYTES have
+    gathered or FLUSH_S after the first of a batch, whichever comes first, and
+    when the app stops. Each write is whole lines, at most PIPE_BUF bytes.
+    ``stream=None`` resolves ``sys.stderr`` at write time (so a redirected
+    stderr, or a test capturing it, gets the lines).
     """
 
     def __init__(self, fmt: str, stream: TextIO | None = None) -> None:
-        self.line = _json_line if fmt == "json" else _text_line
+        self.json = fmt == "json"
         self.stream = stream
         self.pending: list[bytes] = []
+        self.size = 0
+        self.timer: asyncio.TimerHandle | None = None
+        _OPEN.add(self)
 
     def write(self, rec: AccessRecord) -> None:
-        self.pending.append(self.line(rec, time.time()))
-        if len(self.pending) == 1:
-            self._flush_soon()
+        """The request ended: complete its record, format it, batch the line."""
+        # Inline, not in helpers: this runs once per request (see bench.accesslog).
+        rec.ts = iso(time())
+        rec.duration_s = monotonic() - rec.start
+        if rec.tokens is not None:
+            rec.prompt_tokens, rec.completion_tokens = rec.tokens()
+        elif rec.usage_raw is not None:
+            rec.prompt_tokens, rec.completion_tokens = _usage(rec.usage_raw)
+        # Seconds as measured: rounding costs more CPU than the digits cost bytes.
+        line = orjson.dumps(vars(rec), option=NEWLINE) if self.json else _text_line(rec)
+        self.pending.append(line)
+        self.size += len(line)
+        if self.size >= FLUSH_BYTES:
+            self.flush()  # the timer, if any, stays: it flushes the next batch early
+        elif self.timer is None:
+            try:
+                self.timer = asyncio.get_running_loop().call_later(FLUSH_S, self._due)
+            except RuntimeError:  # no loop (a unit test, the end of the process): now
+                self.flush()
 
-    def _flush_soon(self) -> None:
-        try:
-            asyncio.get_running_loop().call_soon(self.flush)
-        except RuntimeError:  # no loop (a benchmark or a unit test): write now
-            self.flush()
+    def _due(self) -> None:
+        self.timer = None
+        self.flush()
+
+    async def close(self, _app: object = None) -> None:
+        """Write what is pending (the app stops: its loop will not run the timer)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.flush()
 
     def flush(self) -> None:
+        """Write every pending line now."""
         if not self.pending:
             return
-        data, self.pending = b"".join(self.pending), []
+        data = b"".join(self.pending)
+        self.pending, self.size = [], 0
         stream = self.stream or sys.stderr
-        binary = getattr(stream, "buffer", None)  # skip the text layer when there is one
-        if binary is not None:
-            stream.flush()  # whatever went through the text layer first stays first
-            binary.write(data)
-            binary.flush()
+        try:
+            fd = _fileno(stream)
+            if fd is None:
+                stream.write(data.decode())
+                stream.flush()
+            else:
+                stream.flush()  # whatever went through the text layer first stays first
+                write_lines(fd, data)
+        except (OSError, ValueError) as e:  # stderr closed or gone: not the request's fault
+            log.warning("access log: %d bytes not written: %s", len(data), e)
+
+
+def _fileno(stream: TextIO) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, io.UnsupportedOperation):  # io.StringIO and the like
+        return None
+
+
+def write_lines(fd: int, data: bytes) -> None:
+    """Write ``data`` (whole lines) to ``fd`` in whole-line writes of <= PIPE_BUF."""
+    view, pos, n = memoryview(data), 0, len(data)
+    while pos < n:
+        end = pos + PIPE_BUF
+        if end < n:
+            cut = data.rfind(b"\n", pos, end) + 1
+            # One line longer than PIPE_BUF (none is, in practice): whole, alone.
+            end = cut if cut > pos else (data.find(b"\n", end) + 1 or n)
         else:
-            stream.write(data.decode())
-            stream.flush()
+            end = n
+        while pos < end:
+            pos += os.write(fd, view[pos:end])
 
 
-def _text_line(rec: AccessRecord, now: float) -> bytes:
-    prompt, completion = rec.counts()
+_OPEN: weakref.WeakSet[AccessLog] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    # Lines still in memory when the process ends (the loop is gone by then).
+    for access in list(_OPEN):
+        with contextlib.suppress(Exception):
+            access.flush()
+
+
+def _text_line(rec: AccessRecord) -> bytes:
     ttfb = "-" if rec.ttfb_s is None else f"{rec.ttfb_s:.3f}s"
     model = "-" if rec.model is None else _quote(rec.model)
     return (
-        f"{iso(now)} INFO ftproxy.access [{_quote(rec.request_id)}] {rec.method} "
-        f"{_quote(rec.path)} {rec.status} model={model} group={rec.group or '-'} "
-        f"ranks={','.join(rec.ranks) or '-'} queue={rec.queue_s:.3f}s ttfb={ttfb} "
-        f"dur={time.monotonic() - rec.start:.3f}s tokens={_dash(prompt)}+{_dash(completion)} "
-        f"holds={rec.holds}/{rec.hold_s:.1f}s cont={rec.continuations} end={rec.end}\n"
+        f"{rec.ts} INFO ftproxy.access [{rec.request_id}] {rec.method} "
+        f"{_quote(rec.path)} {rec.status} model={model} group={_quote(rec.group or '-')} "
+        f"ranks={','.join(map(_quote, rec.ranks)) or '-'} queue={rec.queue_s:.3f}s ttfb={ttfb} "
+        f"dur={rec.duration_s:.3f}s tokens={_dash(rec.prompt_tokens)}+"
+        f"{_dash(rec.completion_tokens)} holds={rec.holds}/{rec.hold_s:.1f}s "
+        f"cont={rec.continuations} end={rec.end}\n"
     ).encode()
-
-
-def _json_line(rec: AccessRecord, now: float) -> bytes:
-    return orjson.dumps(rec.fields(now), option=orjson.OPT_APPEND_NEWLINE)
 
 
 def _dash(v: object) -> str:
     return "-" if v is None else str(v)
 
 
+_QUOTED: dict[str, str] = {}
+
+
 def _quote(text: str) -> str:
-    # Client-chosen (path, model, request id): never let it break the line.
-    return text if text.isprintable() and " " not in text else orjson.dumps(text).decode()
+    # Client-chosen (path, model): never let it break the line. Paths, models
+    # and rank names repeat, so each is checked once (bounded: a client may send
+    # any number of paths; past the bound they are checked every time).
+    quoted = _QUOTED.get(text)
+    if quoted is None:
+        quoted = text if text.isprintable() and " " not in text else orjson.dumps(text).decode()
+        if len(_QUOTED) < 1024:
+            _QUOTED[text] = quoted
+    return quoted
 
 
-class _Clock:
-    """Formats wall-clock times; a busy proxy ends many requests per millisecond."""
-
-    second, second_text, milli, milli_text = -1, "", -1, ""
-
-    @classmethod
-    def iso(cls, t: float) -> str:
-        milli = int(t * 1000)
-        if milli != cls.milli:
-            second = milli // 1000
-            if second != cls.second:
-                stamp = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-                cls.second, cls.second_text = second, stamp
-            cls.milli, cls.milli_text = milli, f"{cls.second_text}.{milli % 1000:03d}Z"
-        return cls.milli_text
+# The timestamp of the last line, and of the last second: a busy proxy ends
+# many requests per millisecond, and formats a date once per second.
+_milli, _milli_text, _second, _second_text = -1, "", -1, ""
 
 
 def iso(t: float) -> str:
-    """UTC, milliseconds, ``Z``: the timestamp of every json log line."""
-    return _Clock.iso(t)
+    """UTC, milliseconds, ``Z``: the timestamp of every log line."""
+    global _milli, _milli_text, _second, _second_text
+    milli = int(t * 1000)
+    if milli != _milli:
+        second = milli // 1000
+        if second != _second:
+            stamp = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+            _second, _second_text = second, stamp
+        _milli, _milli_text = milli, f"{_second_text}.{milli % 1000:03d}Z"
+    return _milli_text

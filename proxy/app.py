@@ -91,7 +91,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         raise
     finally:
         if rec.end is None:
-            rec.end = accesslog.end_for(rec.status)
+            rec.end = End.FINISHED if rec.status < 400 else accesslog.end_for(rec.status)
         access.write(rec)
         accesslog.CURRENT.reset(token)
         accesslog.REQUEST_ID.reset(id_token)
@@ -294,7 +294,10 @@ def build_app(
     drain.install(app, draining)
     app[SETTINGS] = settings
     app.on_response_prepare.append(_mark_prepared)
-    app[ACCESS_LOG] = AccessLog(settings.logging.format) if settings.logging.access_log else None
+    access = AccessLog(settings.logging.format) if settings.logging.access_log else None
+    app[ACCESS_LOG] = access
+    if access is not None:
+        app.on_cleanup.append(access.close)
     app[TRACING] = traces
     if traces is not None:
         app.on_cleanup.append(lambda _: asyncio.to_thread(traces.shutdown))

@@ -6,6 +6,9 @@ import asyncio
 import io
 import json
 import logging
+import os
+import subprocess
+import sys
 from typing import Any
 
 import aiohttp
@@ -171,3 +174,86 @@ async def test_unknown_path_is_a_counted_refusal(fakes, proxy, http) -> None:
     (line,) = await lines(out, 1)
     assert line["status"] == 404 and line["end"] == End.REFUSED and line["ranks"] == []
     assert p.app[METRICS].refusals.labels("not_found")._value.get() == 1
+
+
+FIELDS = ["ts", "level", "logger", "msg", "request_id", "method", "path", "status", "model",
+          "group", "ranks", "queue_s", "ttfb_s", "duration_s", "prompt_tokens",
+          "completion_tokens", "holds", "hold_s", "continuations", "end"]  # fmt: skip
+
+
+def test_json_line_has_every_field_in_order_and_escapes_client_text() -> None:
+    out = io.StringIO()
+    rec = AccessRecord("r-2", "POST", '/v1/"x"\n\\é')
+    rec.model, rec.status = 'm"\u2028\x00', 200
+    rec.served_by("r0", "dp-a")
+    rec.served_by('r"1', "dp-b")
+    rec.usage_raw = b'{"usage":{"prompt_tokens":3,"completion_tokens":4}}'
+    AccessLog("json", out).write(rec)
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    line = json.loads(text)
+    assert list(line) == FIELDS
+    assert line["path"] == '/v1/"x"\n\\é' and line["model"] == 'm"\u2028\x00'
+    assert line["ranks"] == ["r0", 'r"1'] and line["group"] == "dp-b"
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (3, 4)
+    assert line["end"] is None and line["ttfb_s"] is None and line["duration_s"] >= 0
+
+
+async def test_lines_are_batched_and_written_by_the_timer_or_on_close() -> None:
+    out = io.StringIO()
+    access = AccessLog("json", out)
+    access.write(AccessRecord("a-1", "GET", "/health"))
+    assert out.getvalue() == ""  # batched: not one write per request
+    await asyncio.sleep(accesslog.FLUSH_S * 3)
+    assert [json.loads(x)["request_id"] for x in out.getvalue().splitlines()] == ["a-1"]
+    access.write(AccessRecord("a-2", "GET", "/health"))
+    await access.close()  # the app stops: nothing pending is lost
+    assert out.getvalue().count("\n") == 2
+    for i in range(accesslog.FLUSH_BYTES // 200 + 1):  # a full batch is written at once
+        access.write(AccessRecord(f"b-{i}", "GET", "/health"))
+    assert out.getvalue().count("\n") > 2
+    await access.close()
+
+
+def test_writes_are_whole_lines_of_at_most_pipe_buf(monkeypatch) -> None:
+    """Worker processes share stderr: a pipe keeps writes of <= PIPE_BUF whole."""
+    lines = [f'{{"n":{i},"pad":"{"x" * (i % 700)}"}}\n'.encode() for i in range(400)]
+    lines.append(b'{"long":"' + b"y" * 9000 + b'"}\n')  # longer than PIPE_BUF: alone
+    lines += lines[:50]
+    data = b"".join(lines)
+    writes: list[bytes] = []
+    real_write = os.write
+
+    def write(fd: int, chunk: memoryview) -> int:
+        writes.append(bytes(chunk))
+        return real_write(fd, chunk)
+
+    monkeypatch.setattr(accesslog.os, "write", write)
+    with open(os.devnull, "wb") as null:
+        accesslog.write_lines(null.fileno(), data)
+    assert b"".join(writes) == data
+    assert all(w.endswith(b"\n") for w in writes)
+    assert all(len(w) <= accesslog.PIPE_BUF for w in writes if b"y" * 9000 not in w)
+    assert len(writes) < len(lines) // 5  # batched, not one write per line
+
+
+def test_worker_processes_never_interleave_inside_a_line() -> None:
+    """Four processes write big batches into one pipe at once: every line whole."""
+    code = (
+        "import sys; from proxy import accesslog\n"
+        "me = sys.argv[1]\n"
+        'line = (\'{"w":"%s","pad":"%s"}\\n\' % (me, me * 300)).encode()\n'
+        "for _ in range(40): accesslog.write_lines(1, line * 200)\n"
+    )
+    read, write = os.pipe()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    procs = [subprocess.Popen([sys.executable, "-c", code, w], stdout=write, env=env)
+             for w in "abcd"]  # fmt: skip
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        got = pipe.read().splitlines()
+    assert all(p.wait(timeout=30) == 0 for p in procs)
+    assert len(got) == 4 * 40 * 200
+    for raw in got:
+        line = json.loads(raw)
+        assert line["pad"] == line["w"] * 300
