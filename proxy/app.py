@@ -48,7 +48,7 @@ from proxy.state import (
 )  # fmt: skip
 from proxy.supervise import supervised
 from proxy.target import parse_forward, target_guard
-from proxy.upstream import make_session, request_headers
+from proxy.upstream import make_rank_client, make_session, request_headers
 
 log = logging.getLogger("ftproxy.app")
 
@@ -220,19 +220,19 @@ def _background(
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     t, limits = app[SETTINGS].timeouts, app[SETTINGS].limits
-    # One session for every call to a rank (relay, polls, models, recovery),
-    # so https:// ranks are verified the same way everywhere.
+    # Every call to a rank (relay, polls, models, recovery) gets the same TLS
+    # settings, so https:// ranks are verified the same way everywhere.
     tls = app[SETTINGS].upstream_tls.context()
     session = make_session(t, limits.upstream_connections_per_rank, tls=tls)
-    fresh = make_session(t, fresh=True, tls=tls)
+    client = make_rank_client(t, limits.upstream_connections_per_rank, tls=tls)
     app[SESSION] = session
-    app[RELAY] = Relay(app[TABLE], session, app[SETTINGS], app[METRICS], fresh)
+    app[RELAY] = Relay(app[TABLE], client, app[SETTINGS], app[METRICS])
     app[RELAY].tracing = app[TRACING]
     app[RECOVERY] = Recovery(app[TABLE], session, app[SETTINGS], app[METRICS])
     app[COORD].attach(app[RECOVERY])
     yield
     await session.close()
-    await fresh.close()
+    await client.close()
 
 
 async def _learn_models(app: web.Application) -> None:

@@ -13,7 +13,6 @@ import json
 from functools import partial
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from proxy import accesslog
@@ -30,6 +29,7 @@ from proxy.continuation import (
 )
 from proxy.errors import error_body
 from proxy.holdopen import Collector, HeldStream
+from proxy.rankclient import BODY_ERRORS
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.sink import ChunkSink
 from proxy.upstream import response_headers
@@ -75,7 +75,7 @@ async def _whole(
     up = attempt.response
     try:
         raw: bytes | None = await up.read()
-    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+    except BODY_ERRORS:
         raw = None  # lost before the answer: start over
     finally:
         up.release()

@@ -32,6 +32,7 @@ from proxy.budget import StreamBudget, backoff_s
 from proxy.continuation import Book, Emit, Refusal, SpliceFailed
 from proxy.errors import ProxyError, error_body
 from proxy.metrics import Metrics
+from proxy.rankclient import BODY_ERRORS, BadResponse, RankResponse
 from proxy.ranks import UNHEALTHY, Rank, group_fault
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.settings import Hold
@@ -57,11 +58,11 @@ ERROR_BODY_MAX = 2048
 ERROR_BODY_WAIT_S = 1.0
 
 
-async def _error_text(response: aiohttp.ClientResponse) -> str:
+async def _error_text(response: RankResponse) -> str:
     try:
         async with asyncio.timeout(ERROR_BODY_WAIT_S):
-            raw = await response.content.read(ERROR_BODY_MAX)
-    except (TimeoutError, aiohttp.ClientError):
+            raw = await response.read_at_most(ERROR_BODY_MAX)
+    except BODY_ERRORS:
         raw = b""
     return raw.decode("utf-8", errors="replace")
 
@@ -102,7 +103,7 @@ class HeldStream:
         self.cfg: Hold = relay.settings.hold
         self.metrics: Metrics = relay.metrics
         self.rank: Rank | None = None
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream: RankResponse | None = None
         self.last_event = time.monotonic()
         self.held_since: float | None = None
         self.hold_reason = ""
@@ -170,7 +171,7 @@ class HeldStream:
         self.rank, self.upstream = attempt.rank, attempt.response
         parser = SSEParser()
         try:
-            async for chunk in attempt.response.content.iter_any():
+            async for chunk in attempt.response.chunks():
                 self.last_event = time.monotonic()
                 # One write per upstream read, however many events it held.
                 out: list[bytes] = []
@@ -188,7 +189,7 @@ class HeldStream:
                     await self._write(b"".join(out))
                 if outcome is not None:
                     return outcome
-        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+        except BODY_ERRORS as e:
             if self.client_gone:
                 raise  # nothing to hold or continue for a client that left
             log.info("[%s] upstream %s lost: %r", self.out.request_id, attempt.rank.name, e)
@@ -336,7 +337,7 @@ class HeldStream:
         except TimeoutError as e:
             raise StreamFailed(f"no rank could continue the stream within "
                                f"{self.cfg.timeout_s:.0f}s", "hold_timeout") from e  # fmt: skip
-        except (ProxyError, aiohttp.ClientError) as e:
+        except (ProxyError, ConnectionError, BadResponse) as e:
             return 503, str(e).encode()
         finally:
             accesslog.CURRENT.reset(token)

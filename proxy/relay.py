@@ -15,7 +15,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -23,6 +22,7 @@ from proxy import accesslog
 from proxy.balancer import SmoothWeightedBalancer
 from proxy.errors import NoHealthyRank, UpstreamFailed
 from proxy.metrics import Metrics
+from proxy.rankclient import BadResponse, RankClient, RankResponse, StaleConnection
 from proxy.ranks import Rank, RankTable
 from proxy.settings import Settings
 from proxy.target import upstream_url
@@ -32,7 +32,7 @@ from proxy.upstream import response_headers
 log = logging.getLogger("ftproxy.relay")
 
 # Errors that mean "this rank did not take the request": safe to send elsewhere.
-_CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+_CONNECT_ERRORS = (asyncio.TimeoutError, OSError)
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Outbound:
 @dataclass
 class Attempt:
     rank: Rank
-    response: aiohttp.ClientResponse
+    response: RankResponse
     started: float
 
 
@@ -67,13 +67,11 @@ class Relay:
     def __init__(
         self,
         table: RankTable,
-        session: aiohttp.ClientSession,
+        client: RankClient,
         settings: Settings,
         metrics: Metrics,
-        fresh: aiohttp.ClientSession | None = None,
     ) -> None:
-        self.table, self.session, self.metrics = table, session, metrics
-        self.fresh = fresh
+        self.table, self.client, self.metrics = table, client, metrics
         self.settings = settings
         self.balancer = SmoothWeightedBalancer()
         self.waiting = 0  # requests waiting for a healthy rank (limits.max_queued)
@@ -137,11 +135,9 @@ class Relay:
         try:
             try:
                 out.sent += 1
-                resp = await self.session.request(
-                    out.method, url, headers=out.headers, data=out.body
-                )
-            except aiohttp.ServerDisconnectedError:
-                if self.fresh is None or not out.may_send():
+                resp = await self.client.request(out.method, url, out.headers, out.body)
+            except StaleConnection:
+                if not out.may_send():
                     raise
                 # A pooled connection the rank had closed (its keep-alive ran
                 # out as we reused it) is not a rank failure: send once more on
@@ -149,7 +145,7 @@ class Relay:
                 log.info("[%s] rank %s closed a pooled connection; resending on a new one",
                          out.request_id, rank.name)  # fmt: skip
                 out.sent += 1
-                resp = await self.fresh.request(out.method, url, headers=out.headers, data=out.body)
+                resp = await self.client.request(out.method, url, out.headers, out.body, fresh=True)
         except _CONNECT_ERRORS as e:
             failures.append(f"{rank.name}: {type(e).__name__}")
             self.metrics.upstream_errors.labels(rank.name, "connect").inc()
@@ -159,7 +155,7 @@ class Relay:
             )
             log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
             return None
-        except aiohttp.ClientError as e:
+        except BadResponse as e:
             # A malformed answer (status line, headers): the rank is up but
             # answered nonsense. Like a 5xx: try another, without marking it down.
             failures.append(f"{rank.name}: {type(e).__name__}")
@@ -227,13 +223,13 @@ class Relay:
             return web.Response(body=body, status=up.status, headers=response_headers(up.headers))
         return await self._stream(request, up)
 
-    async def _stream(self, request: web.Request, up: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, up: RankResponse) -> web.StreamResponse:
         resp = web.StreamResponse(status=up.status, headers=response_headers(up.headers))
         complete = False
         try:
             await resp.prepare(request)
             rec = accesslog.current()
-            async for chunk in up.content.iter_any():
+            async for chunk in up.chunks():
                 if rec is not None:
                     rec.first_byte()
                     rec = None

@@ -1,4 +1,4 @@
-"""The one HTTP client the proxy uses to talk to ranks, and header hygiene.
+"""Where the proxy's HTTP clients to ranks are made, and header hygiene.
 
 Upstream only sends and closes; which rank to use is the balancer's call.
 """
@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import aiohttp
 from multidict import CIMultiDict
 
+from proxy.rankclient import RankClient
 from proxy.settings import Timeouts
 
 # RFC 9110 hop-by-hop headers, plus those aiohttp recomputes itself.
@@ -23,18 +24,27 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 
 
+def make_rank_client(
+    t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True
+) -> RankClient:
+    """The relay's client for client requests (and their continuations):
+    ``per_rank`` connections per rank at most, idle ones closed after
+    ``upstream_idle_s``. ``tls``: for https:// ranks, as for
+    :func:`make_session`. Must be called with the loop running."""
+    return RankClient(t.connect_s, t.read_s, t.upstream_idle_s, per_rank, tls)
+
+
 def make_session(
-    t: Timeouts, per_rank: int = 0, fresh: bool = False, tls: ssl.SSLContext | bool = True
+    t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True
 ) -> aiohttp.ClientSession:
-    """The pooled session (``per_rank`` connections per rank at most, idle
-    ones closed after ``upstream_idle_s``), or with ``fresh`` one that opens a
-    new connection per request and never keeps it (the resend after a pooled
-    connection turned out closed by the rank). ``tls``: for https:// ranks
-    (proxy.tls.UpstreamTLS.context)."""
+    """The session for the proxy's own calls to ranks (status polls, model
+    lists, recovery): ``per_rank`` connections per rank at most, idle ones
+    closed after ``upstream_idle_s``. ``tls``: for https:// ranks
+    (proxy.tls.UpstreamTLS.context: a context, True for the system's, False
+    to encrypt without verifying)."""
     # No decompression so bytes reach the client exactly as the rank sent them.
     connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=per_rank, force_close=fresh, ssl=tls,
-        keepalive_timeout=None if fresh else t.upstream_idle_s,
+        limit=0, limit_per_host=per_rank, keepalive_timeout=t.upstream_idle_s, ssl=tls,
         ttl_dns_cache=300, enable_cleanup_closed=True,
     )  # fmt: skip
     # sock_connect, not connect: waiting for a free pooled connection is not a

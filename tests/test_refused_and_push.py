@@ -16,7 +16,7 @@ from proxy.metrics import Metrics
 from proxy.ranks import HEALTHY, RankTable
 from proxy.relay import Outbound, Relay
 from proxy.settings import Settings, Timeouts
-from proxy.upstream import make_session
+from proxy.upstream import make_rank_client
 from tests.conftest import free_port
 
 
@@ -29,13 +29,14 @@ async def test_refused_connection_fails_over_and_marks_rank(fakes) -> None:
     table = RankTable(settings.groups)
     for r in table:  # both look healthy: the poll has not noticed yet
         table.observe(r.name, None, "poll", reachable=True, status=HEALTHY)
-    async with make_session(settings.timeouts) as session:
-        relay = Relay(table, session, settings, Metrics(table))
-        body = b'{"prompt": "x", "max_tokens": 2}'
-        headers = CIMultiDict({"Content-Type": "application/json"})
-        attempt = await relay.open(Outbound("POST", "/v1/completions", headers, body, "t"))
-        assert attempt.rank.name == "good" and attempt.response.status == 200
-        attempt.response.release()
+    client = make_rank_client(settings.timeouts)
+    relay = Relay(table, client, settings, Metrics(table))
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    headers = CIMultiDict({"Content-Type": "application/json"})
+    attempt = await relay.open(Outbound("POST", "/v1/completions", headers, body, "t"))
+    assert attempt.rank.name == "good" and attempt.response.status == 200
+    attempt.response.release()
+    await client.close()
     assert not table.ranks["dead"].routable
     assert "request failed" in table.ranks["dead"].reason
 

@@ -1,0 +1,457 @@
+"""A lean HTTP/1.1 client for the relay's requests to ranks.
+
+aiohttp's ``ClientSession.request`` was ~40% of the proxy's CPU on small
+requests (a request object, a response object, a stream reader, a task per
+write, cookie and redirect handling). The relay needs none of that: it sends
+one request with a known body to a known host and reads the answer. This
+client is an :class:`asyncio.Protocol` on httptools (llhttp, the parser
+aiohttp uses too): bytes in, one parser call, body chunks straight into the
+response, and a pool of keep-alive connections per rank.
+
+Only the relay uses it; status polls, model lists and recovery calls keep
+their aiohttp session (they are few).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl as ssl_module
+from collections.abc import AsyncIterator
+from typing import cast
+
+import httptools
+from multidict import CIMultiDict
+from yarl import URL
+
+# Unread body a response may buffer before the rank's socket stops being read
+# (backpressure from a slow client reaches the rank, as with aiohttp).
+_HIGH_WATER = 64 * 1024
+
+
+class RankConnectionError(ConnectionError):
+    """The connection to the rank failed or was lost."""
+
+
+class StaleConnection(RankConnectionError):
+    """A pooled connection the rank had closed (its keep-alive ran out as it
+    was reused): nothing was answered, so the request may be sent again."""
+
+
+class BadResponse(Exception):
+    """The rank answered bytes that are not HTTP (a status line, a header)."""
+
+
+class ReadTimeout(TimeoutError):
+    """The rank sent nothing for ``read_s`` during an answer."""
+
+
+# What reading an answer's body may raise: the answer is lost.
+BODY_ERRORS = (TimeoutError, ConnectionError, BadResponse)
+
+
+_Key = tuple[str, int, bool]  # host, port, TLS
+
+
+class _Conn(asyncio.Protocol):
+    """One connection to a rank; answers one request at a time."""
+
+    def __init__(self, pool: RankClient, key: _Key) -> None:
+        self.pool, self.key = pool, key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: RankResponse | None = None
+        self.reused = False  # it answered a request before this one
+        self.closed = False
+        self.idle_handle: asyncio.TimerHandle | None = None
+        self.read_handle: asyncio.TimerHandle | None = None
+        self.last_read = 0.0
+        self.got_bytes = False  # of the current answer
+        self.headers: list[tuple[bytes, bytes]] = []
+
+    # -- asyncio.Protocol ------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        resp = self.response
+        if resp is None:  # bytes nobody asked for: the connection is not to be trusted
+            self.close()
+            return
+        self.got_bytes = True
+        self.last_read = self.pool.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            resp._fail(BadResponse(f"the rank's answer is not valid HTTP: {e}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._stop_timers()
+        self.pool._lost(self)
+        resp, self.response = self.response, None
+        if resp is None or resp.complete:
+            return
+        if resp.status and resp._until_eof:
+            resp._finish()  # an answer delimited by the connection's end: this is it
+            return
+        if not self.got_bytes and self.reused:
+            resp._fail(StaleConnection("the rank closed a pooled connection"))
+        else:
+            resp._fail(RankConnectionError(f"connection to the rank lost: {exc or 'closed'}"))
+
+    # -- httptools callbacks ---------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        resp = self.response
+        assert resp is not None
+        resp._headers_in(self.parser.get_status_code(), self.headers,
+                         self.parser.should_keep_alive())  # fmt: skip
+        self.headers = []
+
+    def on_body(self, body: bytes) -> None:
+        resp = self.response
+        if resp is not None:
+            resp._body(body)
+
+    def on_message_complete(self) -> None:
+        resp = self.response
+        if resp is not None:
+            resp._finish()
+
+    # -- used by RankClient and RankResponse -----------------------------------
+    def send(self, data: bytes, resp: RankResponse) -> None:
+        assert self.transport is not None and self.response is None
+        if self.idle_handle is not None:
+            self.idle_handle.cancel()
+            self.idle_handle = None
+        self.response, self.got_bytes = resp, False
+        self.last_read = self.pool.loop.time()
+        self._arm_read()
+        self.transport.write(data)
+
+    def _arm_read(self) -> None:
+        self.read_handle = self.pool.loop.call_at(self.last_read + self.pool.read_s,
+                                                  self._read_check)  # fmt: skip
+
+    def _read_check(self) -> None:
+        """Re-armed from the last read rather than reset on every read: one
+        timer per ``read_s``, not one per chunk."""
+        self.read_handle = None
+        resp = self.response
+        if resp is None or resp.complete:
+            return
+        if self.pool.loop.time() - self.last_read >= self.pool.read_s:
+            resp._fail(ReadTimeout(f"the rank sent nothing for {self.pool.read_s:g}s"))
+            self.close()
+        else:
+            self._arm_read()
+
+    def done(self, reusable: bool) -> None:
+        """The current answer is over: back to the pool, or closed."""
+        self.response = None
+        self._stop_timers()
+        if reusable and not self.closed:
+            self.reused = True
+            self.pool._idle(self)
+        else:
+            self.close()
+
+    def pause(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._stop_timers()
+            if self.transport is not None:
+                self.transport.close()
+            self.pool._lost(self)
+
+    def _stop_timers(self) -> None:
+        for h in (self.idle_handle, self.read_handle):
+            if h is not None:
+                h.cancel()
+        self.idle_handle = self.read_handle = None
+
+
+class RankResponse:
+    """An answer from a rank: status and headers first, then the body, read
+    whole (:meth:`read`) or as it arrives (:meth:`chunks`), then
+    :meth:`close` it (:meth:`release` is the same)."""
+
+    def __init__(self, conn: _Conn) -> None:
+        self._conn: _Conn | None = conn
+        self.status = 0
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._headers: CIMultiDict[str] | None = None
+        self.keep_alive = False
+        self.complete = False
+        self._until_eof = False
+        self._buf: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # -- fed by the connection -------------------------------------------------
+    def _headers_in(self, status: int, raw: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
+        self.status, self._raw_headers, self.keep_alive = status, raw, keep_alive
+        framed = any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in raw)
+        self._until_eof = not framed and status >= 200 and status not in (204, 304)
+        self._wake()
+
+    def _body(self, data: bytes) -> None:
+        self._buf.append(data)
+        self._buffered += len(data)
+        if self._buffered > _HIGH_WATER and not self._paused and self._conn is not None:
+            self._paused = True
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._exc is None:
+            self._exc = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    # -- for the relay ---------------------------------------------------------
+    async def _start(self) -> None:
+        """Until the status line and headers are in."""
+        while not self.status:
+            if self._exc is not None:
+                raise self._exc
+            await self._wait()
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        if self._headers is None:
+            self._headers = CIMultiDict(
+                (n.decode("latin-1"), v.decode("utf-8", "surrogateescape"))
+                for n, v in self._raw_headers
+            )
+        return self._headers
+
+    @property
+    def content_type(self) -> str:
+        for n, v in self._raw_headers:
+            if n.lower() == b"content-type":
+                return v.split(b";", 1)[0].strip().lower().decode("latin-1")
+        return "application/octet-stream"  # what aiohttp said for none
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: everything buffered at each wake, joined."""
+        while True:
+            if self._buf:
+                data = self._buf.popleft() if len(self._buf) == 1 else b"".join(self._buf)
+                self._buf.clear()
+                self._buffered = 0
+                if self._paused and self._conn is not None:
+                    self._paused = False
+                    self._conn.resume()
+                yield data
+                continue
+            if self._exc is not None:
+                raise self._exc
+            if self.complete:
+                return
+            await self._wait()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = [chunk async for chunk in self.chunks()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def text(self) -> str:
+        return (await self.read()).decode("utf-8", "replace")
+
+    async def read_at_most(self, limit: int) -> bytes:
+        """The body's first ``limit`` bytes (or all of a shorter one)."""
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks():
+            parts.append(chunk)
+            size += len(chunk)
+            if size >= limit:
+                break
+        return b"".join(parts)[:limit]
+
+    def release(self) -> None:
+        """Done with it: a complete keep-alive answer returns its connection to the pool."""
+        self.close()
+
+    def close(self) -> None:
+        """Done with it. An answer not complete closes its connection (the
+        rank sees the disconnect and aborts the request); a complete one
+        returns it to the pool, as :meth:`release`."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.done(self.complete and self.keep_alive and self._exc is None)
+        if not self.complete:  # a reader still waiting on it ends
+            self._fail(RankConnectionError("the answer was closed before its end"))
+
+
+class RankClient:
+    """Keep-alive connections to ranks, at most ``per_rank`` each (0: no
+    limit); an idle one is closed after ``idle_s``, before vLLM closes it
+    (5 s), so a reused connection is rarely one the rank already dropped."""
+
+    def __init__(
+        self,
+        connect_s: float,
+        read_s: float,
+        idle_s: float,
+        per_rank: int = 0,
+        tls: ssl_module.SSLContext | bool = True,
+    ) -> None:
+        self.connect_s, self.read_s, self.idle_s = connect_s, read_s, idle_s
+        self.per_rank = per_rank
+        # For https:// ranks: a context, True (the system's CAs) or False
+        # (encrypted, not verified), as proxy.tls.UpstreamTLS.context says.
+        self.tls = _client_context(tls)
+        self.loop = asyncio.get_running_loop()
+        self._idle_conns: dict[_Key, list[_Conn]] = {}
+        self._open: dict[_Key, int] = {}
+        self._slot_waiters: dict[_Key, collections.deque[asyncio.Future[None]]] = {}
+        self._all: set[_Conn] = set()
+
+    async def request(
+        self, method: str, url: URL, headers: CIMultiDict[str], body: bytes, fresh: bool = False
+    ) -> RankResponse:
+        """Send and wait for the status line and headers. ``fresh``: on a new
+        connection, never a pooled one. Raises :class:`StaleConnection` when
+        a pooled connection turns out closed by the rank (safe to resend)."""
+        host, tls = url.raw_host or "", url.scheme == "https"
+        port = url.port or (443 if tls else 80)
+        key = (host, port, tls)
+        conn = None if fresh else self._take_idle(key)
+        if conn is None:
+            conn = await self._connect(key)
+        resp = RankResponse(conn)
+        conn.send(_encode(method, url, host, headers, body), resp)
+        try:
+            await resp._start()
+        except BaseException:
+            resp.close()
+            raise
+        return resp
+
+    def _take_idle(self, key: _Key) -> _Conn | None:
+        idle = self._idle_conns.get(key)
+        while idle:
+            conn = idle.pop()  # the most recently used: least likely to be dropped
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connect(self, key: _Key) -> _Conn:
+        await self._slot(key)
+        host, port, tls = key
+        ctx = self.tls if tls else None
+        self._open[key] = self._open.get(key, 0) + 1
+        try:
+            async with asyncio.timeout(self.connect_s):
+                _, proto = await self.loop.create_connection(
+                    lambda: _Conn(self, key), host, port, ssl=ctx,
+                    server_hostname=host if tls else None,
+                )  # fmt: skip
+        except BaseException:
+            self._freed(key)
+            raise
+        self._all.add(proto)
+        if proto.closed:  # lost before it was counted in
+            self._lost(proto)
+            raise RankConnectionError("the rank closed the connection as it was opened")
+        return proto
+
+    async def _slot(self, key: _Key) -> None:
+        """Wait while the rank has ``per_rank`` connections open."""
+        while self.per_rank and self._open.get(key, 0) >= self.per_rank:
+            if (idle := self._take_idle(key)) is not None:
+                idle.close()  # an idle connection gives its slot to this new one
+                continue
+            waiter = self.loop.create_future()
+            self._slot_waiters.setdefault(key, collections.deque()).append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                waiter.cancel()
+                raise
+
+    def _idle(self, conn: _Conn) -> None:
+        self._idle_conns.setdefault(conn.key, []).append(conn)
+        conn.idle_handle = self.loop.call_later(self.idle_s, conn.close)
+        self._wake_slot(conn.key)
+
+    def _lost(self, conn: _Conn) -> None:
+        if conn not in self._all:
+            return
+        self._all.discard(conn)
+        idle = self._idle_conns.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+        self._freed(conn.key)
+
+    def _freed(self, key: _Key) -> None:
+        self._open[key] = self._open.get(key, 1) - 1
+        self._wake_slot(key)
+
+    def _wake_slot(self, key: _Key) -> None:
+        waiters = self._slot_waiters.get(key)
+        while waiters:
+            w = waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    async def close(self) -> None:
+        for conn in list(self._all):
+            conn.close()
+        self._idle_conns.clear()
+        await asyncio.sleep(0)  # let the transports close
+
+
+def _client_context(tls: ssl_module.SSLContext | bool) -> ssl_module.SSLContext:
+    if isinstance(tls, ssl_module.SSLContext):
+        return tls
+    ctx = ssl_module.create_default_context()
+    if not tls:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl_module.CERT_NONE
+    return ctx
+
+
+def _encode(method: str, url: URL, host: str, headers: CIMultiDict[str], body: bytes) -> bytes:
+    """The request head and body in one buffer: one write, one segment."""
+    target = url.raw_path_qs or "/"
+    host_header = host if url.is_default_port() else f"{host}:{url.port}"
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host_header}\r\n"]
+    for k, v in headers.items():
+        lines.append(f"{k}: {v}\r\n")
+    if body or method in ("POST", "PUT", "PATCH"):
+        lines.append(f"Content-Length: {len(body)}\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("utf-8", "surrogateescape") + body

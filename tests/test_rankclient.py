@@ -1,0 +1,199 @@
+"""The relay's HTTP client to ranks, against raw sockets that misbehave on cue."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from multidict import CIMultiDict
+from yarl import URL
+
+from proxy.rankclient import (
+    BadResponse,
+    RankClient,
+    RankConnectionError,
+    ReadTimeout,
+    StaleConnection,
+)
+
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+@pytest.fixture
+async def rank() -> AsyncIterator[Callable[[Serve], Awaitable[URL]]]:
+    servers: list[asyncio.Server] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def start(serve: Serve) -> URL:
+        async def guarded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.append(writer)
+            try:
+                await serve(reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass  # the client went away: expected in these tests
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(guarded, "127.0.0.1", 0)
+        servers.append(server)
+        return URL(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions")
+
+    yield start
+    for w in writers:
+        w.close()
+    for s in servers:
+        s.close()
+        await s.wait_closed()
+
+
+def _client(read_s: float = 5.0, per_rank: int = 0) -> RankClient:
+    return RankClient(connect_s=1.0, read_s=read_s, idle_s=1.0, per_rank=per_rank)
+
+
+async def test_keep_alive_answers_reuse_one_connection_and_send_the_request_exactly(rank) -> None:
+    seen: list[bytes] = []
+    conns = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns
+        conns += 1
+        while not reader.at_eof():
+            try:
+                seen.append(await _read_request(reader))
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(OK)
+
+    url = await rank(serve)
+    client = _client()
+    headers = CIMultiDict({"Content-Type": "application/json", "X-Request-Id": "r1"})
+    for _ in range(3):
+        resp = await client.request("POST", url, headers, b'{"a":1}')
+        assert resp.status == 200 and resp.content_type == "application/json"
+        assert resp.headers["Content-Length"] == "2" and await resp.read() == b"{}"
+        resp.release()
+    await client.close()
+    assert conns == 1
+    assert seen[0] == (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:" + str(url.port).encode()
+        + b"\r\nContent-Type: application/json\r\nX-Request-Id: r1\r\n"
+        b"Content-Length: 7\r\n\r\n" + b'{"a":1}'
+    )  # fmt: skip
+
+
+async def test_a_pooled_connection_the_rank_closed_is_stale_a_new_one_is_not(rank) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await _read_request(reader)  # the second request on it: dropped unanswered
+        writer.close()
+
+    url = await rank(serve)
+    client = _client()
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")
+    resp.release()
+    with pytest.raises(StaleConnection):
+        await client.request("POST", url, CIMultiDict(), b"{}")
+    resp = await client.request("POST", url, CIMultiDict(), b"{}", fresh=True)
+    resp.release()
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.close()
+
+    with pytest.raises(RankConnectionError) as e:
+        await client.request("POST", await rank(drop), CIMultiDict(), b"{}")
+    assert not isinstance(e.value, StaleConnection)  # a new connection: a real failure
+    await client.close()
+
+
+async def test_bad_http_and_silence_and_a_cut_body_are_errors(rank) -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTP/9 what\r\n\r\n")
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nab")
+        await asyncio.sleep(5)
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nab")
+        writer.close()
+
+    client = _client(read_s=0.2)
+    with pytest.raises(BadResponse):
+        await client.request("GET", await rank(garbage), CIMultiDict(), b"")
+    resp = await client.request("GET", await rank(silent), CIMultiDict(), b"")
+    with pytest.raises(ReadTimeout):
+        await resp.read()
+    resp = await client.request("GET", await rank(cut), CIMultiDict(), b"")
+    with pytest.raises(RankConnectionError):
+        await resp.read()
+    await client.close()
+
+
+async def test_chunks_arrive_as_sent_and_close_ends_a_waiting_reader(rank) -> None:
+    go = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")  # fmt: skip
+        await go.wait()
+        await asyncio.sleep(5)
+
+    client = _client()
+    resp = await client.request("POST", await rank(stream), CIMultiDict(), b"{}")
+    assert resp.content_type == "text/event-stream"
+    got: list[bytes] = []
+
+    async def consume() -> None:
+        async for chunk in resp.chunks():
+            got.append(chunk)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    assert got == [b"hello"]
+    resp.close()  # e.g. a hold timed out: the pump must end, not hang
+    with pytest.raises(RankConnectionError):
+        await asyncio.wait_for(task, 1.0)
+    go.set()
+    await client.close()
+
+
+async def test_per_rank_limit_waits_for_a_connection(rank) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            await asyncio.sleep(0.05)
+            writer.write(OK)
+
+    url = await rank(serve)
+    client = _client(per_rank=2)
+
+    async def one() -> bytes:
+        resp = await client.request("POST", url, CIMultiDict(), b"{}")
+        body = await resp.read()
+        resp.release()
+        return body
+
+    assert await asyncio.gather(*(one() for _ in range(6))) == [b"{}"] * 6
+    assert len(client._all) <= 2
+    await client.close()
