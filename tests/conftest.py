@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -92,3 +94,18 @@ async def proxy() -> AsyncIterator[Callable[[Settings], Awaitable[Running]]]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as s:
         yield s
+
+
+async def metric_when(http: aiohttp.ClientSession, url: str, name: str, want: float) -> float:
+    """``name``'s value once it is ``want``, or after 2 s, whatever it is then.
+
+    The handler observes its request after the last byte is written, so a
+    client that read ``[DONE]`` may scrape a moment before that."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        text = await (await http.get(url + "/metrics")).text()
+        line = next((x for x in text.splitlines() if x.startswith(name + " ")), f"{name} nan")
+        value = float(line.split()[1])
+        if value == want or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.02)

@@ -9,7 +9,7 @@ from typing import Any
 from proxy.admin_cli import rank_table
 from proxy.settings import Settings
 from proxy.state import TABLE
-from tests.conftest import FAST_POLL_S, replicas, settings_for
+from tests.conftest import FAST_POLL_S, metric_when, replicas, settings_for
 
 TOKEN = "s3cret-admin"
 
@@ -91,7 +91,7 @@ async def test_a_pooled_connection_the_rank_closed_is_resent_not_a_fault(
     assert len(a.received) == 6 and p.app[TABLE].ranks["a"].routable
     metrics = await (await http.get(p.url + "/metrics")).text()
     assert 'ftproxy_upstream_errors_total{kind="connect",rank="a"}' not in metrics
-    assert "ftproxy_upstream_requests_per_request_count 6.0" in metrics
+    assert await metric_when(http, p.url, "ftproxy_upstream_requests_per_request_count", 6) == 6
 
 
 async def test_requests_and_continuations_stay_on_ranks_serving_their_model(
