@@ -6,7 +6,6 @@ the config (or ``FTPROXY_ADMIN__TOKEN``) the admin plane is off, not open.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -16,7 +15,7 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
-from proxy.coordination import COORD, WEIGHTS_EVERY_S
+from proxy.coordination import COORD
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
 from proxy.fields import parse_object
 from proxy.inbound import read_body
@@ -212,9 +211,11 @@ def apply_weights(table: RankTable, overrides: dict[str, int]) -> None:
 async def follow_weights(app: web.Application) -> None:
     """Apply every process's weight overrides here (shared backends only)."""
     held = app[WEIGHTS]  # filled in place: the app's state is frozen once started
+    coord = app[COORD]
     while True:
+        seen = coord.seen("weights")  # before the read: a change during it wakes us
         try:
-            fresh = await app[COORD].weights()
+            fresh = await coord.weights()
         except Exception:  # the store is down: keep what is in force, try again
             log.exception("weight overrides not read")
             fresh = dict(held)
@@ -223,7 +224,7 @@ async def follow_weights(app: web.Application) -> None:
         held.clear()
         held.update(fresh)
         apply_weights(app[TABLE], held)
-        await asyncio.sleep(WEIGHTS_EVERY_S)
+        await coord.wait_change("weights", seen)
 
 
 def add_routes(app: web.Application) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from aiohttp import web
@@ -67,3 +67,38 @@ async def test_an_answer_that_is_not_json_is_an_etcd_error(aiohttp_server) -> No
     with pytest.raises(EtcdError):  # closed, then used again: a new session, same answer
         await client.get("k")
     await client.close()
+
+
+async def test_changes_arrive_by_the_watch_not_the_resync(etcd, monkeypatch) -> None:
+    coord = Etcd(EtcdConfig(endpoints=[etcd], prefix="/t-watch", lease_ttl_s=6), ["dp-a"])
+    other = Client(EtcdConfig(endpoints=[etcd]))
+    real_watch = coord.client.watch
+    broke = asyncio.Event()
+
+    async def breaks_once(prefix: str) -> AsyncIterator[list[str] | None]:
+        monkeypatch.setattr(coord.client, "watch", real_watch)
+        yield None
+        broke.set()
+        raise EtcdError("the stream broke")
+
+    monkeypatch.setattr(coord.client, "watch", breaks_once)
+    task = asyncio.create_task(coord.run())
+    try:
+        # A broken stream: polling meanwhile, then watching again.
+        await asyncio.wait_for(broke.wait(), 5)
+        assert not coord.watching
+        assert await _until(lambda: coord.watching, 5)
+        done = {"group": "dp-b", "round_id": "r", "state": "done", "instruction": "retry"}
+        for kind, key, value in (("weights", "/t-watch/weights/r0", 0),
+                                 ("rounds", "/t-watch/rounds/dp-b", done)):  # fmt: skip
+            waiter = asyncio.create_task(coord.wait_change(kind, coord.seen(kind)))
+            await asyncio.sleep(0.3)
+            assert not waiter.done()  # nothing changed: no poll wakes it
+            await other.put(key, value)
+            # On the change, not at the next re-read (RESYNC_S = 5 s).
+            await asyncio.wait_for(waiter, 1.0)
+        assert await coord.weights() == {"r0": 0}
+    finally:
+        task.cancel()
+        await coord.close()
+        await other.close()

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
     from proxy.recovery import Recovery, RoundReport, RoundSpec
     from proxy.settings import Settings
 
-# How often a process looks at shared weight overrides (well under the 1 s
-# in which a PATCH must be in force everywhere).
+# How often a process polls shared weight overrides when its backend cannot
+# watch them (flock's file; well under the 1 s in which a PATCH must be in
+# force everywhere).
 WEIGHTS_EVERY_S = 0.25
 
 
@@ -85,6 +86,17 @@ class Coordination:
     def leader_socket(self) -> Path | None:
         """Where the leader's admin plane answers other processes (None: here)."""
         return None
+
+    # -- changes ----------------------------------------------------------------
+    def seen(self, what: str) -> int:
+        """A mark of the changes to ``what`` seen so far (for :meth:`wait_change`)."""
+        return 0
+
+    async def wait_change(self, what: str, seen: int, at_most: float | None = None) -> None:
+        """Return once ``what`` ("weights", "rounds", "leader") may have changed
+        since ``seen``: a backend that watches returns on the change, one that
+        cannot sleeps its poll interval (or ``at_most``)."""
+        await asyncio.sleep(WEIGHTS_EVERY_S if at_most is None else at_most)
 
     # -- live weights -----------------------------------------------------------
     async def set_weight(self, rank: str, weight: int) -> bool:

@@ -11,8 +11,13 @@ the few calls below are all it needs. Keys under ``prefix``:
                           targets, state (``waiting`` -> ``sent`` -> ``done``)
                           and, once done, the report every caller gets
 ``rounds/<group>/owner``  the process driving it, on its lease
-``weights/<rank>``        live weight overrides, read by every process every
-                          0.25 s and re-applied after each reload
+``weights/<rank>``        live weight overrides, applied by every process
+                          and re-applied after each reload
+
+Every process watches the whole prefix (one ``/v3/watch`` stream): a weight
+PATCH, a round's progress and a leader key that expired reach the others as
+they happen, with a full re-read every few seconds as a safety net and
+polling while the watch is down.
 
 A round is created with a compare-and-swap, so two callers anywhere never
 start two: the loser joins (same work) or gets 409 (other work). The owner
@@ -33,7 +38,7 @@ import os
 import socket
 import ssl
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import aiohttp
@@ -45,7 +50,15 @@ from proxy.settings import EtcdConfig
 
 log = logging.getLogger("ftproxy.coordination")
 
-JOIN_POLL_S = 0.2  # a joiner looks at the round this often
+# What the prefix watch wakes up: the kind of a key is its first part.
+KINDS = ("leader", "rounds", "weights")
+# Without a watch (etcd just restarted, the stream broke) a joiner looks at
+# the round, and every process at the weight overrides, this often ...
+POLL_S = 0.2
+# ... and with one, they re-read this often anyway: a safety net for a
+# change the watch missed, not the way changes arrive.
+RESYNC_S = 5.0
+WATCH_RETRY_S = 1.0
 
 
 def _b64(text: str) -> str:
@@ -91,11 +104,15 @@ class Client:
             ctx.load_cert_chain(str(self.cfg.cert_file), key)
         return ctx
 
-    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
             timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
             connector = aiohttp.TCPConnector(ssl=self._ssl() or True)
             self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        return self._session
+
+    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._open()
         last: Exception | None = None
         for endpoint in self.cfg.endpoints:  # the first that answers
             try:
@@ -106,7 +123,8 @@ class Client:
                 last = e
         raise EtcdError(f"no etcd endpoint answered {path}: {last!r}")
 
-    async def _post(self, endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _auth(self, endpoint: str) -> dict[str, str]:
+        """The headers a call needs (logs in first when etcd auth is on)."""
         assert self._session is not None
         if self.cfg.username and self._token is None:
             password = self.cfg.password.get_secret_value() if self.cfg.password else ""
@@ -117,7 +135,11 @@ class Client:
                 if r.status != 200 or "token" not in answer:
                     raise EtcdError(f"etcd refused the login: {answer}")
                 self._token = answer["token"]
-        headers = {"Authorization": self._token} if self._token else {}
+        return {"Authorization": self._token} if self._token else {}
+
+    async def _post(self, endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = await self._auth(endpoint)
+        assert self._session is not None
         async with self._session.post(endpoint + path, json=body, headers=headers) as r:
             answer = await r.json(content_type=None)
         if r.status == 401 and self._token:
@@ -125,6 +147,40 @@ class Client:
         if r.status != 200:
             raise EtcdError(f"etcd {path}: HTTP {r.status}: {answer}")
         return dict(answer)
+
+    async def watch(self, prefix: str) -> AsyncIterator[list[str] | None]:
+        """Follow every change under ``prefix`` (the gateway's ``/v3/watch``, one
+        JSON message a line): None once the watch is created, then the keys of
+        each batch of events. Ends with EtcdError when the stream breaks."""
+        session = self._open()
+        body = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix)}}
+        # No total timeout: the stream is meant to stay open; a dead etcd
+        # closes the connection (and the lease ticks notice it meanwhile).
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.timeout_s)
+        last: Exception | None = None
+        for endpoint in self.cfg.endpoints:
+            try:
+                headers = await self._auth(endpoint)
+                async with session.post(endpoint + "/v3/watch", json=body, headers=headers,
+                                        timeout=timeout) as r:  # fmt: skip
+                    if r.status != 200:
+                        raise EtcdError(f"etcd /v3/watch: HTTP {r.status}: {await r.text()}")
+                    async for line in r.content:
+                        if not line.strip():
+                            continue
+                        message = json.loads(line)
+                        result = message.get("result")
+                        if result is None or result.get("canceled"):
+                            raise EtcdError(f"etcd ended the watch: {message}")
+                        if result.get("created"):
+                            yield None
+                        events = result.get("events") or []
+                        if events:
+                            yield [_unb64(e["kv"]["key"]) for e in events]
+                last = EtcdError("etcd closed the watch")
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError) as e:
+                last = e
+        raise EtcdError(f"no etcd endpoint kept the watch on {prefix}: {last!r}")
 
     # -- kv -----------------------------------------------------------------------
     async def get(self, key: str) -> tuple[Any, int]:
@@ -194,6 +250,10 @@ class Etcd(Coordination):
         # One leader key per group, all on this process's lease. A group asked
         # about later (wait_leader) is campaigned for from then on.
         self._leads: dict[str, asyncio.Event] = {g: asyncio.Event() for g in groups}
+        # Changes seen by the watch, by kind; _wake is set (and replaced) on each.
+        self._seq: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._wake = asyncio.Event()
+        self.watching = False
         self.lease: str | None = None
         self._leased = asyncio.Event()
         self._taken: set[str] = set()  # rounds this process took over
@@ -226,13 +286,58 @@ class Etcd(Coordination):
     async def run(self) -> None:
         """Keep a lease, campaign for each group, take over orphaned rounds."""
         every = max(self.cfg.lease_ttl_s / 3, 0.3)
+        watcher = asyncio.create_task(self._watch())
+        self._tasks.add(watcher)
+        watcher.add_done_callback(self._tasks.discard)
         while True:
+            seen = self.seen("leader")
             try:
                 await self._tick()
             except EtcdError as e:
                 log.warning("etcd: %s", e)
                 self._step_down("etcd unreachable")  # unsure we still hold them
-            await asyncio.sleep(every)
+            # A leader key that expired or was given up: campaign now, not
+            # at the next renewal.
+            await self.wait_change("leader", seen, every)
+
+    # -- the watch ----------------------------------------------------------------
+    def seen(self, what: str) -> int:
+        return self._seq[what]
+
+    async def wait_change(self, what: str, seen: int, at_most: float | None = None) -> None:
+        if at_most is None:
+            at_most = RESYNC_S if self.watching else POLL_S
+        deadline = asyncio.get_running_loop().time() + at_most
+        while self._seq[what] == seen:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+
+    def _changed(self, kinds: Iterable[str]) -> None:
+        for kind in kinds:
+            if kind in self._seq:
+                self._seq[kind] += 1
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    async def _watch(self) -> None:
+        """Follow the prefix for the life of the process; reconnect when it breaks."""
+        root = self.cfg.prefix.rstrip("/") + "/"
+        while True:
+            try:
+                async for keys in self.client.watch(root):
+                    if keys is None:  # (re)started: whatever changed meanwhile, read it
+                        self.watching = True
+                        self._changed(KINDS)
+                    else:
+                        self._changed({k[len(root) :].split("/", 1)[0] for k in keys})
+            except EtcdError as e:
+                log.warning("etcd watch: %s; polling until it is back", e)
+            self.watching = False
+            self._changed(KINDS)  # waiters fall back to polling now
+            await asyncio.sleep(WATCH_RETRY_S)
 
     async def _tick(self) -> None:
         if self.lease is None or not await self.client.keepalive(self.lease):
@@ -310,12 +415,13 @@ class Etcd(Coordination):
 
     async def _await_done(self, key: str, round_id: str) -> RoundReport:
         while True:
+            seen = self.seen("rounds")
             record, _ = await self.client.get(key)
             if record is None or record["round_id"] != round_id:
                 raise EtcdError(f"round {round_id} vanished from etcd")
             if record["state"] == "done":
                 return _report(record["report"])
-            await asyncio.sleep(JOIN_POLL_S)
+            await self.wait_change("rounds", seen)
 
     async def _take_over_orphans(self) -> None:
         keys = await self.client.get_prefix(self._key("rounds") + "/")
@@ -342,10 +448,11 @@ class Etcd(Coordination):
     async def wait_round_idle(self, group: str) -> None:
         key = self._key("rounds", group)
         while True:
+            seen = self.seen("rounds")
             record, _ = await self.client.get(key)
             if record is None or record["state"] == "done":
                 return
-            await asyncio.sleep(JOIN_POLL_S)
+            await self.wait_change("rounds", seen)
 
     async def rounds(self) -> list[dict[str, Any]]:
         keys = await self.client.get_prefix(self._key("rounds") + "/")
