@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -109,3 +111,24 @@ async def metric_when(http: aiohttp.ClientSession, url: str, name: str, want: fl
         if value == want or time.monotonic() > deadline:
             return value
         await asyncio.sleep(0.02)
+
+
+async def serve_process(
+    http: aiohttp.ClientSession, cfg: Path, port: int, ready: str = "/live"
+) -> tuple[asyncio.subprocess.Process, str]:
+    """``python -m proxy serve --config cfg`` once ``GET ready`` answers 200
+    on ``port``; the caller ends it (terminate or a signal under test)."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy", "serve",
+                                                "--config", str(cfg))  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(150):
+        try:
+            async with http.get(url + ready) as r:
+                if r.status == 200:
+                    return proc, url
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    proc.kill()
+    await proc.wait()
+    raise AssertionError(f"the proxy did not answer on {url} within 15 s")

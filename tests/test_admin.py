@@ -15,7 +15,7 @@ import aiohttp
 import yaml
 
 from proxy.state import METRICS, TABLE
-from tests.conftest import free_port, settings_for
+from tests.conftest import free_port, serve_process, settings_for
 
 TOKEN = "s3cret-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -230,16 +230,8 @@ async def test_sighup_reloads_and_cli_shows_the_table(fakes, http, tmp_path) -> 
     write_config(cfg, [("a", a.url, 1)])
     text = cfg.read_text().replace("port: 0", f"port: {port}")
     cfg.write_text(text)
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy", "serve",
-                                                "--config", str(cfg))  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    proc, url = await serve_process(http, cfg, port)
     try:
-        for _ in range(100):
-            try:
-                if (await call(http, "GET", url + "/admin/ranks"))[0] == 200:
-                    break
-            except aiohttp.ClientError:
-                await asyncio.sleep(0.1)
         write_config(cfg, [("a", a.url, 1), ("b", b.url, 3)])
         cfg.write_text(cfg.read_text().replace("port: 0", f"port: {port}"))
         proc.send_signal(signal.SIGHUP)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
 
-from tests.conftest import free_port, settings_for
+from tests.conftest import free_port, serve_process, settings_for
 
 LONG = {"prompt": "x", "max_tokens": 400, "stream": True}  # ~20 s at 50 ms a token
 SHORT = {"prompt": "y", "max_tokens": 4, "stream": True}
@@ -114,18 +113,8 @@ async def test_sigterm_to_the_process(fakes, http, tmp_path: Path, grace_s: floa
         "groups": [{"name": "g", "ranks": [{"name": "a", "url": a.url}]}],
         "shutdown": {"ready_delay_s": 1.0, "grace_s": grace_s},
     }))  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy", "serve",
-                                                "--config", str(cfg))  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    proc, url = await serve_process(http, cfg, port, ready="/health")  # a rank is known
     try:
-        for _ in range(100):
-            try:
-                async with http.get(url + "/health") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
         async with http.post(url + "/v1/completions", json=LONG) as stream:
             await stream.content.readany()
             proc.send_signal(signal.SIGTERM)
