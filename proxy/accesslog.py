@@ -139,9 +139,10 @@ def end_for(status: int) -> End:
 
 
 # A batch is written at the latest this long after its first line, or at once
-# when it reaches FLUSH_BYTES: one write per batch, not per request.
+# when FLUSH_LINES (about 64 KiB of json) have gathered: one write per batch,
+# not per request.
 FLUSH_S = 0.05
-FLUSH_BYTES = 64 * 1024
+FLUSH_LINES = 160
 # Writes of at most PIPE_BUF bytes to a pipe are atomic: worker processes
 # sharing stderr never interleave inside a line. (POSIX guarantees 512; Linux,
 # where the proxy runs, 4096. Regular files: Linux serializes writes to one
@@ -153,7 +154,7 @@ NEWLINE = orjson.OPT_APPEND_NEWLINE
 class AccessLog:
     """Formats records and writes them, one line each, to stderr.
 
-    Lines are kept in memory and written in batches: when FLUSH_BYTES have
+    Lines are kept in memory and written in batches: when FLUSH_LINES have
     gathered or FLUSH_S after the first of a batch, whichever comes first, and
     when the app stops. Each write is whole lines, at most PIPE_BUF bytes.
     ``stream=None`` resolves ``sys.stderr`` at write time (so a redirected
@@ -164,14 +165,15 @@ class AccessLog:
         self.json = fmt == "json"
         self.stream = stream
         self.pending: list[bytes] = []
-        self.size = 0
         self.timer: asyncio.TimerHandle | None = None
         _OPEN.add(self)
 
     def write(self, rec: AccessRecord) -> None:
         """The request ended: complete its record, format it, batch the line."""
         # Inline, not in helpers: this runs once per request (see bench.accesslog).
-        rec.ts = iso(time())
+        now = time()
+        # The timestamp of the millisecond before, most often (a busy proxy).
+        rec.ts = _milli_text if int(now * 1000) == _milli else iso(now)
         rec.duration_s = monotonic() - rec.start
         if rec.tokens is not None:
             rec.prompt_tokens, rec.completion_tokens = rec.tokens()
@@ -179,9 +181,9 @@ class AccessLog:
             rec.prompt_tokens, rec.completion_tokens = _usage(rec.usage_raw)
         # Seconds as measured: rounding costs more CPU than the digits cost bytes.
         line = orjson.dumps(vars(rec), option=NEWLINE) if self.json else _text_line(rec)
-        self.pending.append(line)
-        self.size += len(line)
-        if self.size >= FLUSH_BYTES:
+        pending = self.pending
+        pending.append(line)
+        if len(pending) >= FLUSH_LINES:
             self.flush()  # the timer, if any, stays: it flushes the next batch early
         elif self.timer is None:
             try:
@@ -205,7 +207,7 @@ class AccessLog:
         if not self.pending:
             return
         data = b"".join(self.pending)
-        self.pending, self.size = [], 0
+        self.pending = []
         stream = self.stream or sys.stderr
         try:
             fd = _fileno(stream)

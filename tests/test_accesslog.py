@@ -209,9 +209,9 @@ async def test_lines_are_batched_and_written_by_the_timer_or_on_close() -> None:
     access.write(AccessRecord("a-2", "GET", "/health"))
     await access.close()  # the app stops: nothing pending is lost
     assert out.getvalue().count("\n") == 2
-    for i in range(accesslog.FLUSH_BYTES // 200 + 1):  # a full batch is written at once
+    for i in range(accesslog.FLUSH_LINES):  # a full batch is written at once
         access.write(AccessRecord(f"b-{i}", "GET", "/health"))
-    assert out.getvalue().count("\n") > 2
+    assert out.getvalue().count("\n") == 2 + accesslog.FLUSH_LINES
     await access.close()
 
 
