@@ -9,10 +9,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from proxy.state import METRICS
 from tests.conftest import replicas, settings_for
-from tests.fakes import chat_prompt, detok, next_token, tokenize
+from tests.fakes import FakeRank, chat_prompt, detok, next_token, tokenize
 
 HOLD = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0}
 
@@ -357,3 +358,36 @@ async def test_text_held_for_a_stop_string_is_recovered_when_the_connection_drop
     emit = book.on_continuation({"choices": [{"text": "a", "token_ids": [1],
                                               "finish_reason": "length"}]})  # fmt: skip
     assert json.loads(emit.data[0])["choices"][0]["text"] == "aba"
+
+
+class _TwoChoicesThenDrop(FakeRank):
+    """``n: 2`` as vLLM streams it (one choice per chunk, by index): choice 0
+    finishes, choice 1 is cut by a lost connection before its finish."""
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for index, text, finish in [(0, "a", None), (1, "b", None), (0, "c", "length"),
+                                    (1, "d", None)]:  # fmt: skip
+            choice = {"index": index, "text": text, "logprobs": None,
+                      "finish_reason": finish, "stop_reason": None}  # fmt: skip
+            chunk = {"id": "cmpl-n2", "object": "text_completion", "created": 0,
+                     "model": "fake-model", "choices": [choice]}  # fmt: skip
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+
+async def test_n_choices_cut_after_the_first_finished_is_not_a_clean_end(proxy, http) -> None:
+    a = await _TwoChoicesThenDrop(name="a").start()
+    try:
+        p = await proxy(settings_for([a], hold=HOLD))
+        chunks, _, done = await read_stream(
+            http, p.url, "/v1/completions", {**completion(4), "n": 2}
+        )
+    finally:
+        await a.stop()
+    errors = [c["error"] for c in chunks if "error" in c]
+    assert len(errors) == 1 and "cannot be continued exactly" in errors[0]["message"], chunks
+    assert done and finishes(chunks) == ["length"]

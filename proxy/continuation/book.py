@@ -66,7 +66,9 @@ class Book:
     prompt_ids: list[int] | None = None
     generated: list[int] = field(default_factory=list)
     template: dict[str, Any] | None = None  # first chunk: id, created, model, ...
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # set once every one of the n choices finished
+    n_choices: int = 1
+    finished_choices: set[int] = field(default_factory=set)
     spliced: bool = False
     usage_sent: bool = False
     role_sent: bool = False
@@ -86,9 +88,11 @@ class Book:
     def for_request(cls, kind: str, body: dict[str, Any]) -> Book:
         opts = body.get("stream_options")
         usage = isinstance(opts, dict) and as_bool(opts.get("include_usage"))
+        n = body.get("n")
         return cls(
             kind=kind, body=body, wants_ids=as_bool(body.get("return_token_ids")),
             wants_usage=usage, stops=_stops(body),
+            n_choices=n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1,
         )  # fmt: skip
 
     # -- the original stream ------------------------------------------------
@@ -147,8 +151,17 @@ class Book:
             self.pending += text_of(choice, self.kind)
             return self._aborted(choice.get("token_ids") or [])
         if choice.get("finish_reason"):
-            self.finish_reason = choice["finish_reason"]
+            self._choice_finished(choice)
         return Emit([self._shown(_dumps(chunk))], finished=self.finish_reason is not None)
+
+    def _choice_finished(self, choice: dict[str, Any]) -> None:
+        """With ``n`` > 1 vLLM streams each choice under its index; the
+        stream is finished only when all of them are (a connection lost after
+        choice 0 finished is a fault, not the end)."""
+        index = choice.get("index")
+        self.finished_choices.add(index if isinstance(index, int) else 0)
+        if len(self.finished_choices) >= self.n_choices:
+            self.finish_reason = choice["finish_reason"]
 
     def _count(self, ids: list[int], text: str | bytes, empty: bool | None = None) -> None:
         self.generated.extend(ids)
