@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from http import HTTPStatus
+from ssl import SSLContext
 from typing import Any
 
 from aiohttp import web
@@ -192,3 +194,47 @@ class Runner(web.AppRunner):
         server.limits = self.limits
         server.request_factory = _tell_handler(server.request_factory)
         return server
+
+
+class TLSSite(web.TCPSite):
+    """A TCPSite whose TLS handshakes must end within ``handshake_s``.
+
+    asyncio allows 60 s, and until a handshake is done the connection is not
+    seen by the header timer or the connection limit above, so a client that
+    connects and never speaks TLS would hold a descriptor that long.
+    """
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, *, ssl_context: SSLContext,
+                 handshake_s: float, backlog: int) -> None:  # fmt: skip
+        super().__init__(runner, host, port, ssl_context=ssl_context, backlog=backlog)
+        self.handshake_s = handshake_s
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+            ssl_handshake_timeout=self.handshake_s,
+        )  # fmt: skip
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+
+class TLSSockSite(web.SockSite):
+    """TLSSite on a socket shared with other workers (proxy.supervisor)."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, *, ssl_context: SSLContext,
+                 handshake_s: float) -> None:  # fmt: skip
+        super().__init__(runner, sock, ssl_context=ssl_context)
+        self.handshake_s = handshake_s
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server, sock=self._sock, ssl=self._ssl_context, backlog=self._backlog,
+            ssl_handshake_timeout=self.handshake_s,
+        )  # fmt: skip

@@ -17,7 +17,7 @@ from proxy.app import build_app
 from proxy.coordination import Coordination
 from proxy.drain import DRAIN, Drain, graceful_stop
 from proxy.errors import ProxyError
-from proxy.listener import Runner
+from proxy.listener import Runner, TLSSite, TLSSockSite
 from proxy.settings import Settings
 from proxy.state import SETTINGS
 
@@ -85,12 +85,17 @@ async def start(
     await runner.setup()
     tls = settings.listen.tls
     ctx = tls.context() if tls is not None else None
+    host, port = settings.listen.host, settings.listen.port
+    handshake_s = settings.limits.header_timeout_s  # a TLS handshake counts as header time
     site: web.BaseSite
-    if sock is not None:
-        site = web.SockSite(runner, sock, ssl_context=ctx)
+    if ctx is not None and sock is not None:
+        site = TLSSockSite(runner, sock, ssl_context=ctx, handshake_s=handshake_s)
+    elif ctx is not None:
+        site = TLSSite(runner, host, port, ssl_context=ctx, handshake_s=handshake_s, backlog=1024)
+    elif sock is not None:
+        site = web.SockSite(runner, sock)
     else:
-        site = web.TCPSite(runner, settings.listen.host, settings.listen.port, backlog=1024,
-                           ssl_context=ctx)  # fmt: skip
+        site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
     port = runner.addresses[0][1]
     running = Running(runner, app, port, "https" if ctx is not None else "http")

@@ -4,7 +4,11 @@ a client certificate when the rank asks), and config errors at load."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import ssl
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,12 +16,13 @@ from typing import Any
 import aiohttp
 import pytest
 import trustme
+import yaml
 
 from proxy import cli
 from proxy.settings import ConfigError, Listen, Settings, load_settings
 from proxy.state import TABLE
 from proxy.tls import ListenerTLS
-from tests.conftest import settings_for
+from tests.conftest import free_port, settings_for
 from tests.test_continuity import finishes, read_stream, text_of
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 12, "stream": True}
@@ -104,6 +109,54 @@ async def test_plain_http_to_the_tls_listener_gets_no_answer(fakes, proxy, http,
     with pytest.raises(aiohttp.ClientError):
         await http.post(plain + "/v1/completions", json=BODY)
     assert a.received == []
+
+
+async def test_a_connection_that_never_completes_its_handshake_is_closed(
+    fakes, proxy, certs
+) -> None:
+    a = await fakes(name="a")
+    s = with_listener(settings_for([a], limits={"header_timeout_s": 0.5}),
+                      ListenerTLS(cert_file=certs.server_file))  # fmt: skip
+    p = await proxy(s)
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    writer.write(b"\x16\x03\x01")  # the first bytes of a ClientHello, then nothing
+    started = time.monotonic()
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, not held for 60 s
+    assert time.monotonic() - started < 2.5
+    writer.close()
+
+
+async def test_workers_share_the_tls_listener(fakes, https, certs, tmp_path: Path) -> None:
+    a = await fakes(name="a")
+    port = free_port()
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port,
+                   "tls": {"cert_file": str(certs.server_file)}},
+        "groups": [{"name": "g", "ranks": [{"name": "a", "url": a.url}]}],
+        "timeouts": {"poll_interval_s": 0.05}, "log_level": "WARNING",
+        "shutdown": {"ready_delay_s": 0, "grace_s": 1}, "logging": {"access_log": False},
+    }))  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--workers", "2"
+    )
+    client = https(certs.client_context())
+    url = f"https://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with client.get(url + "/health") as r:
+                    if r.status == 200:
+                        break
+            await asyncio.sleep(0.1)
+        for _ in range(4):  # new connections: whichever worker accepts, it speaks TLS
+            headers = {"Connection": "close"}
+            async with client.post(url + "/v1/completions", json=BODY, headers=headers) as r:
+                assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+        assert len(a.received) == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 10)
 
 
 async def test_listener_with_client_ca_needs_a_client_certificate(
