@@ -7,8 +7,10 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -257,3 +259,18 @@ def test_worker_processes_never_interleave_inside_a_line() -> None:
     for raw in got:
         line = json.loads(raw)
         assert line["pad"] == line["w"] * 300
+
+
+def test_every_metric_is_in_the_readme_table() -> None:
+    """On-call engineers look metrics up in the README: none may be missing."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("**Metrics**", 1)[1].split("\n### ", 1)[0]
+    documented = set(re.findall(r"`(ftproxy_[a-z_]+)`", table))
+    rank = {"name": "r0", "url": "http://127.0.0.1:1", "status_feed": "tcp://127.0.0.1:1"}
+    settings = Settings(groups=[{"name": "g", "ranks": [rank]}])
+    metrics = Metrics(RankTable(settings.groups))
+    names = {m.name + ("_total" if m.type == "counter" else "")
+             for m in metrics.registry.collect()}  # fmt: skip
+    assert len(names) > 20
+    assert names - documented == set()
+    assert documented - names == set()  # and no row for a metric that is gone
