@@ -163,6 +163,7 @@ async def scale_down(request: web.Request) -> web.Response:
     if report.outcome == RECOVERED:
         for name in body.removed:  # stop routing to the removed ranks
             await request.app[COORD].set_weight(name, 0)
+            await request.app[COORD].set_removed(name)  # in every process
             by_name[name].weight = 0
             by_name[name].removed = True  # and stop judging the group by them
         request.app[TABLE].notify()
@@ -190,11 +191,13 @@ def reload_config(app: web.Application) -> dict[str, Any]:
         raise BadRequest(f"config not reloaded: {e}") from None
     diff = app[TABLE].apply(fresh.groups)
     apply_weights(app[TABLE], app[WEIGHTS])  # shared overrides outlive a reload
+    apply_removed(app[TABLE], app[REMOVED])
     log.info("config reloaded from %s: %s", path, diff)
     return diff
 
 
 WEIGHTS = web.AppKey("weight_overrides", dict[str, int])
+REMOVED = web.AppKey("removed_ranks", set[str])
 
 
 def apply_weights(table: RankTable, overrides: dict[str, int]) -> None:
@@ -208,22 +211,37 @@ def apply_weights(table: RankTable, overrides: dict[str, int]) -> None:
         table.notify()
 
 
+def apply_removed(table: RankTable, names: set[str]) -> None:
+    changed = False
+    for name in names:
+        rank = table.ranks.get(name)
+        if rank is not None and not rank.removed:
+            log.info("rank %s: left group %s (shared scale_down)", name, rank.group)
+            rank.removed, changed = True, True
+    if changed:
+        table.notify()
+
+
 async def follow_weights(app: web.Application) -> None:
-    """Apply every process's weight overrides here (shared backends only)."""
-    held = app[WEIGHTS]  # filled in place: the app's state is frozen once started
+    """Apply every process's weight overrides, and the ranks a scale_down took
+    out of their group, here (shared backends only)."""
+    # Filled in place: the app's state is frozen once started.
+    held, gone = app[WEIGHTS], app[REMOVED]
     coord = app[COORD]
     while True:
         seen = coord.seen("weights")  # before the read: a change during it wakes us
         try:
-            fresh = await coord.weights()
+            fresh, removed = await coord.weights(), await coord.removed()
         except Exception:  # the store is down: keep what is in force, try again
             log.exception("weight overrides not read")
-            fresh = dict(held)
+            fresh, removed = dict(held), set(gone)
         if fresh is None:
             return  # memory: PATCH applies in place, nothing to follow
         held.clear()
         held.update(fresh)
+        gone.update(removed or ())  # a rank that left never comes back
         apply_weights(app[TABLE], held)
+        apply_removed(app[TABLE], gone)
         await coord.wait_change("weights", seen)
 
 

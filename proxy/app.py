@@ -315,6 +315,7 @@ def build_app(
     app.cleanup_ctx.append(_background("push-feed", _push))
     app.cleanup_ctx.append(_background("auto-recovery", _auto_recovery))
     app[admin.WEIGHTS] = {}
+    app[admin.REMOVED] = set()
     app.cleanup_ctx.append(_background("weights", admin.follow_weights))
     admin.add_routes(app)
     app.router.add_get("/health", health)  # some rank routable; /ready, /live: proxy.drain

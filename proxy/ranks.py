@@ -103,7 +103,8 @@ class Rank:
     def snapshot(self) -> dict[str, Any]:
         return {
             "name": self.name, "url": self.url, "group": self.group, "dp_rank": self.dp_rank,
-            "weight": self.weight, "status": self.status, "routable": self.routable,
+            "weight": self.weight, "removed": self.removed, "status": self.status,
+            "routable": self.routable,
             "unroutable_reason": self.unroutable_reason, "reachable": self.reachable,
             "reason": self.reason, "source": self.source,
             "fault_info": self.fault_info, "detail": self.detail,

@@ -172,3 +172,28 @@ async def test_each_group_has_its_own_leader(fakes, replica, etcd) -> None:
         await recovered_once_more(c, d, 2)
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("backend", ["etcd", "flock"])
+async def test_a_scale_down_reaches_every_process(etcd, fakes, replica, backend) -> None:
+    a, b, c = [await fakes(name=n) for n in "abc"]
+    if backend == "etcd":  # two replicas x two workers
+        extra = coordinated(etcd)
+        reps = [await replica([a, b, c], workers=2, extra=extra) for _ in range(2)]
+    else:  # one replica, two workers: the leader worker runs it
+        reps = [await replica([a, b, c], workers=2)]
+    for rank in (a, b, c):
+        rank.fault()
+    body = {"group": "dp-a", "removed": ["c"], "wait_unhealthy_s": 2}
+    code, report = await reps[-1].call("POST", "/admin/scale_down", body)
+    assert code == 200 and report["outcome"] == "recovered", report
+    assert c.applies == [] and a.status == b.status == "healthy"
+    await asyncio.sleep(0.5)
+    # In every process: c left the group (it stays unhealthy: no longer a
+    # reason to keep the group out of rotation), a and b take traffic again.
+    for rep in reps:
+        for _ in range(6):  # fresh connections: the kernel picks the worker
+            _, answer = await rep.get("/admin/ranks")
+            by_name = {r["name"]: r for r in answer["ranks"]}
+            assert by_name["a"]["routable"] and by_name["b"]["routable"], by_name
+            assert by_name["c"]["removed"] and by_name["c"]["weight"] == 0, by_name["c"]

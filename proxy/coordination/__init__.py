@@ -6,8 +6,9 @@ Three things must be one however many processes front the same ranks:
   recovery rounds for it, so one fault never gets two;
 * **the active round** of a group - whoever asks for a round joins the one
   running (same work) or is told which one runs (409);
-* **live weight overrides** (``PATCH /admin/ranks/{name}``) - in force in
-  every process and kept across config reloads.
+* **live weight overrides** (``PATCH /admin/ranks/{name}``) and the ranks a
+  ``scale_down`` took out of their group - in force in every process and
+  kept across config reloads.
 
 Backends:
 
@@ -105,6 +106,15 @@ class Coordination:
 
     async def weights(self) -> dict[str, int] | None:
         """The overrides in force (None: this backend keeps none)."""
+        return None
+
+    # -- ranks a scale_down took out of their group --------------------------------
+    async def set_removed(self, rank: str) -> bool:
+        """Record for every process that ``rank`` left its group; False: not kept."""
+        return False
+
+    async def removed(self) -> set[str] | None:
+        """Ranks that left their group (None: this backend keeps none)."""
         return None
 
 

@@ -13,6 +13,8 @@ the few calls below are all it needs. Keys under ``prefix``:
 ``rounds/<group>/owner``  the process driving it, on its lease
 ``weights/<rank>``        live weight overrides, applied by every process
                           and re-applied after each reload
+``removed/<rank>``        ranks a scale_down took out of their group: no
+                          process judges the group by them any more
 
 Every process watches the whole prefix (one ``/v3/watch`` stream): a weight
 PATCH, a round's progress and a leader key that expired reach the others as
@@ -52,6 +54,7 @@ log = logging.getLogger("ftproxy.coordination")
 
 # What the prefix watch wakes up: the kind of a key is its first part.
 KINDS = ("leader", "rounds", "weights")
+SAME_AS = {"removed": "weights"}  # read together with the weights
 # Without a watch (etcd just restarted, the stream broke) a joiner looks at
 # the round, and every process at the weight overrides, this often ...
 POLL_S = 0.2
@@ -332,7 +335,8 @@ class Etcd(Coordination):
                         self.watching = True
                         self._changed(KINDS)
                     else:
-                        self._changed({k[len(root) :].split("/", 1)[0] for k in keys})
+                        first = {k[len(root) :].split("/", 1)[0] for k in keys}
+                        self._changed({SAME_AS.get(f, f) for f in first})
             except EtcdError as e:
                 log.warning("etcd watch: %s; polling until it is back", e)
             self.watching = False
@@ -481,6 +485,14 @@ class Etcd(Coordination):
         prefix = self._key("weights") + "/"
         found = await self.client.get_prefix(prefix)
         return {k[len(prefix) :]: int(json.loads(v)) for k, v in found.items()}
+
+    async def set_removed(self, rank: str) -> bool:
+        await self.client.put(self._key("removed", rank), True)
+        return True
+
+    async def removed(self) -> set[str] | None:
+        prefix = self._key("removed") + "/"
+        return {k[len(prefix) :] for k in await self.client.get_prefix(prefix)}
 
 
 def _record(spec: RoundSpec, round_id: str, trigger: str) -> dict[str, Any]:

@@ -36,20 +36,31 @@ class FlockFile(Coordination):
     # it every WEIGHTS_EVERY_S. Writers take a second lock so two PATCHes on
     # two workers never lose one another's rank.
     async def set_weight(self, rank: str, weight: int) -> bool:
-        fd = os.open(self.run_dir / "weights.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a rename only
-            current = _read(self.run_dir / "weights.json")
-            current[rank] = weight
-            tmp = self.run_dir / f"weights.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(current))
-            tmp.replace(self.run_dir / "weights.json")
-        finally:
-            os.close(fd)
+        self._update("weights.json", rank, weight)
         return True
 
     async def weights(self) -> dict[str, int] | None:
         return _read(self.run_dir / "weights.json")
+
+    # Ranks a scale_down took out of their group: the same way, another file.
+    async def set_removed(self, rank: str) -> bool:
+        self._update("removed.json", rank, 1)
+        return True
+
+    async def removed(self) -> set[str] | None:
+        return set(_read(self.run_dir / "removed.json"))
+
+    def _update(self, name: str, rank: str, value: int) -> None:
+        fd = os.open(self.run_dir / "weights.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a rename only
+            current = _read(self.run_dir / name)
+            current[rank] = value
+            tmp = self.run_dir / f"{name}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(current))
+            tmp.replace(self.run_dir / name)
+        finally:
+            os.close(fd)
 
     async def run(self) -> None:
         fd = os.open(self.run_dir / "leader.lock", os.O_RDWR | os.O_CREAT, 0o600)
