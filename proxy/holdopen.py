@@ -18,6 +18,7 @@ A hold that lasts ``timeout_s``, a request that cannot be continued exactly
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -80,18 +81,36 @@ class StreamFailed(Exception):
 
 
 class Sink(Protocol):
+    # True: write_now works (events are written from the upstream's data callback).
+    direct: bool
+
     async def write(self, data: bytes) -> None: ...
+
+    def write_now(self, data: bytes) -> bool:
+        """Write at once; False: drain before writing more."""
+        ...
+
+    async def drain(self) -> None: ...
 
 
 class Collector:
     """A sink that keeps the events, for answers the client gets whole."""
+
+    direct = True
 
     def __init__(self) -> None:
         self.parser = SSEParser()
         self.events: list[bytes] = []
 
     async def write(self, data: bytes) -> None:
+        self.write_now(data)
+
+    def write_now(self, data: bytes) -> bool:
         self.events.extend(self.parser.feed(data))
+        return True
+
+    async def drain(self) -> None:
+        pass
 
 
 class HeldStream:
@@ -171,24 +190,12 @@ class HeldStream:
         self.rank, self.upstream = attempt.rank, attempt.response
         parser = SSEParser()
         try:
-            async for chunk in attempt.response.chunks():
-                self.last_event = time.monotonic()
-                # One write per upstream read, however many events it held.
-                out: list[bytes] = []
-                outcome = None
-                for data in parser.feed(chunk):
-                    outcome = self._on_event(data, handle, out)
-                    if outcome is not None:
-                        break
-                # A held stream resumes when the upstream sends on; vLLM's
-                # abort chunk is no resume: the hold goes on, one hold.
-                if self.held_since is not None and (outcome == FINISHED or (out and not outcome)):
-                    self._unhold(self.resume_mode)
-                    self.resume_mode = "engine"
-                if out:
-                    await self._write(b"".join(out))
-                if outcome is not None:
-                    return outcome
+            if self.sink.direct:
+                outcome = await self._pump_direct(attempt, parser, handle)
+            else:
+                outcome = await self._pump_awaiting(attempt, parser, handle)
+            if outcome is not None:
+                return outcome
         except BODY_ERRORS as e:
             if self.client_gone:
                 raise  # nothing to hold or continue for a client that left
@@ -197,6 +204,67 @@ class HeldStream:
             attempt.response.close()
             self.upstream = None
         return FINISHED if self.book.finish_reason else self._fault("connection lost")
+
+    async def _pump_direct(self, attempt: Attempt, parser: SSEParser, handle: Handle) -> str | None:
+        """Events go to the client from the upstream's data callback (no task
+        switch per chunk); this task wakes only for an outcome, a client that
+        is not reading, or the end of the body (None)."""
+        outcome: str | None = None
+        drain = False
+
+        def on_chunk(chunk: bytes) -> bool:
+            nonlocal outcome, drain
+            out, outcome = self._events(parser, chunk, handle)
+            if out and not self._write_now(b"".join(out)):
+                drain = True
+            return outcome is None and not drain
+
+        # The callback runs in the connection's context: give it this
+        # request's (its span parents a hold's, logs name its request id).
+        ctx = contextvars.copy_context()
+
+        def in_context(chunk: bytes) -> bool:
+            return ctx.run(on_chunk, chunk)
+
+        while True:
+            await attempt.response.deliver(in_context)
+            if outcome is not None:
+                return outcome
+            if not drain:
+                return None  # the body ended
+            drain = False
+            await self._drain()
+
+    async def _pump_awaiting(
+        self, attempt: Attempt, parser: SSEParser, handle: Handle
+    ) -> str | None:
+        """As :meth:`_pump_direct`, for a sink that must be awaited."""
+        async for chunk in attempt.response.chunks():
+            out, outcome = self._events(parser, chunk, handle)
+            if out:
+                await self._write(b"".join(out))
+            if outcome is not None:
+                return outcome
+        return None
+
+    def _events(
+        self, parser: SSEParser, chunk: bytes, handle: Handle
+    ) -> tuple[list[bytes], str | None]:
+        """One upstream read: the client's bytes for it (one write however
+        many events it held) and the outcome, if it ends this upstream."""
+        self.last_event = time.monotonic()
+        out: list[bytes] = []
+        outcome = None
+        for data in parser.feed(chunk):
+            outcome = self._on_event(data, handle, out)
+            if outcome is not None:
+                break
+        # A held stream resumes when the upstream sends on; vLLM's
+        # abort chunk is no resume: the hold goes on, one hold.
+        if self.held_since is not None and (outcome == FINISHED or (out and not outcome)):
+            self._unhold(self.resume_mode)
+            self.resume_mode = "engine"
+        return out, outcome
 
     def _on_event(self, data: bytes, handle: Handle, out: list[bytes]) -> str | None:
         """Turn one upstream event into client events (appended to ``out``)."""
@@ -477,9 +545,7 @@ class HeldStream:
             self.access.end = end
 
     async def _write(self, data: bytes) -> None:
-        if self.first_pending and data is not KEEPALIVE and self.access is not None:
-            self.access.first_byte()
-            self.first_pending = False
+        self._first_byte(data)
         self.writing = True
         try:
             await self.sink.write(data)
@@ -488,3 +554,27 @@ class HeldStream:
             raise
         finally:
             self.writing = False
+
+    def _write_now(self, data: bytes) -> bool:
+        """As :meth:`_write`, from a data callback; False: :meth:`_drain` first."""
+        self._first_byte(data)
+        try:
+            return self.sink.write_now(data)
+        except ConnectionError:
+            self.client_gone = True
+            raise
+
+    async def _drain(self) -> None:
+        self.writing = True
+        try:
+            await self.sink.drain()
+        except (ConnectionError, aiohttp.ClientError):
+            self.client_gone = True
+            raise
+        finally:
+            self.writing = False
+
+    def _first_byte(self, data: bytes) -> None:
+        if self.first_pending and data is not KEEPALIVE and self.access is not None:
+            self.access.first_byte()
+            self.first_pending = False

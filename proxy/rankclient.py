@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl as ssl_module
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import httptools
@@ -201,6 +201,10 @@ class RankResponse:
         self._paused = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        # While set (see deliver): each chunk goes to it from the connection's
+        # callback, and what it raised waits here for the task.
+        self._direct: Callable[[bytes], bool] | None = None
+        self._direct_exc: Exception | None = None
 
     # -- fed by the connection -------------------------------------------------
     def _headers_in(self, status: int, raw: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
@@ -210,6 +214,15 @@ class RankResponse:
         self._wake()
 
     def _body(self, data: bytes) -> None:
+        if self._direct is not None:
+            try:
+                if self._direct(data):
+                    return
+            except Exception as e:  # the task re-raises it: never the loop's to log
+                self._direct_exc = e
+            self._direct = None
+            self._wake()
+            return
         self._buf.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER and not self._paused and self._conn is not None:
@@ -279,6 +292,33 @@ class RankResponse:
             if self.complete:
                 return
             await self._wait()
+
+    async def deliver(self, consume: Callable[[bytes], bool]) -> None:
+        """Hand each body chunk to ``consume`` as it arrives, from inside the
+        connection's data callback: no future, no task switch, no buffer per
+        chunk (the relay's hot path). Returns when ``consume`` returns False
+        (what follows is buffered for the next call) or the body has ended;
+        what ``consume`` raised, or a lost connection, is raised here."""
+        while self._buf:  # what arrived before, in order
+            data = self._buf.popleft() if len(self._buf) == 1 else b"".join(self._buf)
+            self._buf.clear()
+            self._buffered = 0
+            if self._paused and self._conn is not None:
+                self._paused = False
+                self._conn.resume()
+            if not consume(data):
+                return
+        self._direct = consume
+        try:
+            while self._direct is not None and not self.complete and self._exc is None:
+                await self._wait()
+        finally:
+            self._direct = None
+        if (exc := self._direct_exc) is not None:
+            self._direct_exc = None
+            raise exc
+        if self._exc is not None and not self._buf:
+            raise self._exc
 
     async def read(self) -> bytes:
         """The whole body."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -104,6 +105,15 @@ async def start(
     return running
 
 
+def _freeze_startup_objects() -> None:
+    """Keep what start-up allocated (modules, settings, the app: ~50k
+    objects) out of the garbage collector's full passes. Measured on the
+    relay benchmark: a full pass over them stalled the loop for 45 ms, and
+    every stream's events with it (the first-event p99); frozen, 2 ms."""
+    gc.collect()
+    gc.freeze()
+
+
 async def _leader_socket(runner: web.AppRunner, coord: Coordination) -> None:
     """Once this process leads, answer the other workers' forwarded admin calls."""
     await coord.wait_leader()
@@ -128,6 +138,7 @@ async def serve_forever(
     coord: Coordination | None = None,
 ) -> None:
     running = await start(settings, config_path, sock, coord)
+    _freeze_startup_objects()  # a process serves one app for its life (tests start many)
     log.info("ft-proxy listening on %s://%s:%d", running.scheme, settings.listen.host,
              running.port)  # fmt: skip
     stop = asyncio.Event()

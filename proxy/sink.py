@@ -27,12 +27,19 @@ class ChunkSink:
     async def write(self, data: bytes) -> None:
         if not self.direct:
             await self.resp.write(data)
-            return
+        elif not self.write_now(data):
+            await self.drain()
+
+    def write_now(self, data: bytes) -> bool:
+        """Write at once (``direct`` sinks only). False: the client is not
+        reading; :meth:`drain` before writing more."""
         if not data:
-            return  # a zero-length chunk would end the body
+            return True  # a zero-length chunk would end the body
         transport = self.request.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client went away")
         transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        if transport.get_write_buffer_size() > _HIGH_WATER:
-            await self.request.writer.drain()
+        return transport.get_write_buffer_size() <= _HIGH_WATER
+
+    async def drain(self) -> None:
+        await self.request.writer.drain()

@@ -275,15 +275,15 @@ async def test_a_failed_write_to_the_client_is_not_an_upstream_fault(
 ) -> None:
     a = await fakes(name="a", token_delay_s=0.02)
     p = await proxy(settings_for([a]))
-    real, writes = generation.ChunkSink.write, []
+    real, writes = generation.ChunkSink.write_now, []
 
-    async def write(self: Any, data: bytes) -> None:
+    def write(self: Any, data: bytes) -> bool:  # every write goes through write_now
         writes.append(data)
         if len(writes) == 3:  # the client's socket fails mid-stream
             raise ConnectionResetError("Cannot write to closing transport")
-        await real(self, data)
+        return real(self, data)
 
-    monkeypatch.setattr(generation.ChunkSink, "write", write)
+    monkeypatch.setattr(generation.ChunkSink, "write_now", write)
     with contextlib.suppress(aiohttp.ClientError):
         async with http.post(p.url + "/v1/completions", json=completion(50, stream=True)) as r:
             await r.read()
