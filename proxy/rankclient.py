@@ -27,6 +27,9 @@ from yarl import URL
 # Unread body a response may buffer before the rank's socket stops being read
 # (backpressure from a slow client reaches the rank, as with aiohttp).
 _HIGH_WATER = 64 * 1024
+# An answer's status line and headers (interim 1xx answers included) may take
+# this much: a head that never ends is a bad answer, not unbounded memory.
+MAX_HEAD = 64 * 1024
 
 
 class RankConnectionError(ConnectionError):
@@ -67,6 +70,8 @@ class _Conn(asyncio.Protocol):
         self.read_handle: asyncio.TimerHandle | None = None
         self.last_read = 0.0
         self.got_bytes = False  # of the current answer
+        self.head_bytes = 0  # read before the current answer's head was complete
+        self.interim = False  # parsing a 1xx answer: not the final one
         self.headers: list[tuple[bytes, bytes]] = []
 
     # -- asyncio.Protocol ------------------------------------------------------
@@ -83,8 +88,18 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            resp._fail(BadResponse(f"the rank's answer is not valid HTTP: {e}"))
+            # Bytes past a complete answer (a second answer nobody asked for,
+            # garbage) are never read as the next request's answer: the
+            # connection closes; the complete answer stands.
+            if not resp.complete:
+                resp._fail(BadResponse(f"the rank's answer is not valid HTTP: {e}"))
             self.close()
+            return
+        if not resp.status:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD:
+                resp._fail(BadResponse(f"the rank's answer head is over {MAX_HEAD} bytes"))
+                self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -102,13 +117,22 @@ class _Conn(asyncio.Protocol):
             resp._fail(RankConnectionError(f"connection to the rank lost: {exc or 'closed'}"))
 
     # -- httptools callbacks ---------------------------------------------------
+    def on_message_begin(self) -> None:
+        resp = self.response
+        if resp is None or resp.status:  # a final answer already began: one per request
+            raise BadResponse("bytes after the end of the rank's answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         resp = self.response
         assert resp is not None
-        resp._headers_in(self.parser.get_status_code(), self.headers,
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # 100 Continue and the like: the final answer follows
+            self.interim, self.headers = True, []
+            return
+        resp._headers_in(status, self.headers,
                          self.parser.should_keep_alive())  # fmt: skip
         self.headers = []
 
@@ -118,6 +142,9 @@ class _Conn(asyncio.Protocol):
             resp._body(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         resp = self.response
         if resp is not None:
             resp._finish()
@@ -128,7 +155,7 @@ class _Conn(asyncio.Protocol):
         if self.idle_handle is not None:
             self.idle_handle.cancel()
             self.idle_handle = None
-        self.response, self.got_bytes = resp, False
+        self.response, self.got_bytes, self.head_bytes = resp, False, 0
         self.last_read = self.pool.loop.time()
         self._arm_read()
         self.transport.write(data)
@@ -154,7 +181,10 @@ class _Conn(asyncio.Protocol):
         """The current answer is over: back to the pool, or closed."""
         self.response = None
         self._stop_timers()
-        if reusable and not self.closed:
+        # A request still partly unsent (the rank answered before reading it
+        # all): its rest would reach the rank as the start of the next one.
+        unsent = self.transport is not None and self.transport.get_write_buffer_size() > 0
+        if reusable and not self.closed and not unsent:
             self.reused = True
             self.pool._idle(self)
         else:

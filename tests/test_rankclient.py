@@ -197,3 +197,165 @@ async def test_per_rank_limit_waits_for_a_connection(rank) -> None:
     assert await asyncio.gather(*(one() for _ in range(6))) == [b"{}"] * 6
     assert len(client._all) <= 2
     await client.close()
+
+
+# -- a rank that misbehaves on the wire --------------------------------------------
+
+
+def _answers(*replies: bytes) -> Serve:
+    """A keep-alive rank that answers each request with the next of ``replies``."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for reply in replies:
+            await _read_request(reader)
+            writer.write(reply)
+            await writer.drain()
+        await reader.read()
+
+    return serve
+
+
+async def _get(client: RankClient, url: URL) -> tuple[int, bytes]:
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")
+    try:
+        return resp.status, await resp.read()
+    finally:
+        resp.release()
+
+
+async def test_odd_chunks_extensions_trailers_and_framings_read_exactly(rank) -> None:
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"1\r\na\r\n3;ext=1;q=\"x\"\r\nbcd\r\nA\r\n0123456789\r\n"
+               b"0\r\nX-Trailer: t\r\n\r\n")  # fmt: skip
+    empty = b"HTTP/1.1 204 No Content\r\n\r\n"
+    not_modified = b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n"
+    url = await rank(_answers(chunked, empty, not_modified, OK))
+    client = _client()
+    assert await _get(client, url) == (200, b"abcd0123456789")
+    assert await _get(client, url) == (204, b"")
+    assert await _get(client, url) == (304, b"")
+    assert await _get(client, url) == (200, b"{}")
+    assert len(client._all) == 1  # all four on one connection
+    await client.close()
+
+
+async def test_close_delimited_and_http10_answers_are_read_whole_and_not_reused(rank) -> None:
+    async def eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b'HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{"a":')
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"1}")
+        writer.close()
+
+    async def close_after(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
+        await reader.read()  # it is the client's to close
+
+    client = _client()
+    assert await _get(client, await rank(eof)) == (200, b'{"a":1}')
+    url = await rank(close_after)
+    assert await _get(client, url) == (200, b"{}")
+    await asyncio.sleep(0.05)
+    assert not client._all, "a Connection: close answer left its connection open or pooled"
+    await client.close()
+
+
+async def test_both_lengths_or_a_non_http_status_line_is_a_bad_answer(rank) -> None:
+    both = (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"2\r\nab\r\n0\r\n\r\n")  # fmt: skip
+    client = _client()
+    for reply in (both, b"SSH-2.0-OpenSSH_9.6\r\n", b"<html>hello</html>\r\n\r\n"):
+        with pytest.raises(BadResponse):
+            await _get(client, await rank(_answers(reply)))
+    await client.close()
+
+
+async def test_interim_100_continue_is_skipped_for_the_final_answer(rank) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # its own packet: the client sees it alone
+        writer.write(OK)
+        await _answers(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK)(reader, writer)
+
+    url = await rank(serve)
+    client = _client()
+    assert await _get(client, url) == (200, b"{}")
+    assert await _get(client, url) == (200, b"{}")  # and the connection stays in step
+    await client.close()
+
+
+async def test_bytes_after_a_complete_answer_never_become_the_next_answer(rank) -> None:
+    smuggled = b"HTTP/1.1 201 Created\r\nContent-Length: 7\r\n\r\nforged!"
+    for extra in (smuggled, b"HTTP/1.1 2", b"garbage\r\n"):
+        served = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal served
+            while not reader.at_eof():
+                await _read_request(reader)
+                served += 1
+                writer.write(OK + extra if served == 1 else OK)  # noqa: B023
+                await writer.drain()
+
+        url = await rank(serve)
+        client = _client()
+        assert await _get(client, url) == (200, b"{}")
+        assert await _get(client, url) == (200, b"{}"), extra
+        await client.close()
+
+
+async def test_extra_bytes_arriving_after_the_answer_in_their_own_packet(rank) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"HTTP/1.1 201 Created\r\nContent-Length: 7\r\n\r\nforged!")
+        while not reader.at_eof():
+            await _read_request(reader)
+            writer.write(OK)
+
+    url = await rank(serve)
+    client = _client()
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")
+    await asyncio.sleep(0.1)  # the extra bytes arrive before the answer is read
+    assert (resp.status, await resp.read()) == (200, b"{}")
+    resp.release()
+    assert await _get(client, url) == (200, b"{}")
+    await client.close()
+
+
+async def test_a_head_block_that_never_ends_is_bounded(rank) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
+        for _ in range(400):
+            writer.write(b"x" * 65536)
+            await writer.drain()
+        await asyncio.sleep(5)
+
+    client = _client()
+    with pytest.raises(BadResponse):
+        await asyncio.wait_for(client.request("POST", await rank(serve), CIMultiDict(), b"{}"), 10)
+    await client.close()
+
+
+async def test_an_answer_before_the_request_body_was_read_is_not_reused(rank) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 0\r\n\r\n")  # body unread
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        await reader.read()
+
+    client = _client()
+    url = await rank(serve)
+    resp = await client.request("POST", url, CIMultiDict(), b"x" * (8 << 20))
+    assert resp.status == 413 and await resp.read() == b""
+    resp.release()
+    assert not client._idle_conns.get((url.raw_host, url.port, False)), "half-sent request pooled"
+    await client.close()
