@@ -255,22 +255,24 @@ def _flush_all() -> None:
 
 
 def _text_line(rec: AccessRecord) -> bytes:
-    ttfb = "-" if rec.ttfb_s is None else f"{rec.ttfb_s:.3f}s"
-    model = "-" if rec.model is None else _quote(rec.model)
+    # Zeros and single ranks, the common case, skip the formatting they need not.
+    ttfb, queue, hold, ranks = rec.ttfb_s, rec.queue_s, rec.hold_s, rec.ranks
+    prompt, completion, model = rec.prompt_tokens, rec.completion_tokens, rec.model
     return (
         f"{rec.ts} INFO ftproxy.access [{rec.request_id}] {rec.method} "
-        f"{_quote(rec.path)} {rec.status} model={model} group={_quote(rec.group or '-')} "
-        f"ranks={','.join(map(_quote, rec.ranks)) or '-'} queue={rec.queue_s:.3f}s ttfb={ttfb} "
-        f"dur={rec.duration_s:.3f}s tokens={_dash(rec.prompt_tokens)}+"
-        f"{_dash(rec.completion_tokens)} holds={rec.holds}/{rec.hold_s:.1f}s "
-        f"cont={rec.continuations} end={rec.end}\n"
+        f"{_QUOTED.get(rec.path) or _quote(rec.path)} {rec.status} "
+        f"model={'-' if model is None else _QUOTED.get(model) or _quote(model)} "
+        f"group={_quote(rec.group or '-')} "
+        f"ranks={_quote(ranks[0]) if len(ranks) == 1 else ','.join(map(_quote, ranks)) or '-'} "
+        f"queue={f'{queue:.3f}' if queue else '0.000'}s "
+        f"ttfb={'-' if ttfb is None else f'{ttfb:.3f}s'} dur={rec.duration_s:.3f}s "
+        f"tokens={'-' if prompt is None else prompt}+{'-' if completion is None else completion} "
+        f"holds={rec.holds}/{f'{hold:.1f}' if hold else '0.0'}s "
+        f"cont={rec.continuations} end={_END_TEXT[rec.end]}\n"
     ).encode()
 
 
-def _dash(v: object) -> str:
-    return "-" if v is None else str(v)
-
-
+_END_TEXT: dict[End | None, str] = {None: "-", **{e: e.value for e in End}}
 _QUOTED: dict[str, str] = {}
 
 
