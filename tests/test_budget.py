@@ -3,7 +3,9 @@ upstream requests, whatever the upstream does (counted at the fake ranks)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -89,6 +91,31 @@ async def test_a_hanging_continuation_ends_at_the_total_hold_budget(fakes, proxy
     assert error_of(chunks)["code"] == "budget_exceeded" and done
     assert time.monotonic() - t0 < 3.0
     assert len(a.received) <= 1 + BUDGET
+
+
+async def test_many_streams_on_misbehaving_ranks_each_stay_within_the_budget(
+    fakes, proxy, http
+) -> None:
+    # One rank never sends a finish reason, one answers 500 once it has
+    # faulted, one hangs once it has faulted; 24 streams at once, spread over them.
+    a = await fakes(name="a", token_delay_s=0.002, no_finish=True)
+    b = await fakes(name="b", token_delay_s=0.002, fault_after=5, auto_recover_s=0.01,
+                    then_mode="500")  # fmt: skip
+    c = await fakes(name="c", token_delay_s=0.002, fault_after=5, auto_recover_s=0.01,
+                    then_mode="hang")  # fmt: skip
+    # timeouts.read_s bounds a first request the hanging rank accepts and never answers.
+    p = await proxy(replicas([a, b, c], hold={**HOLD, "max_total_s": 1.0},
+                             timeouts={"read_s": 1.0}))  # fmt: skip
+
+    async def one(i: int) -> bytes:
+        headers = {"X-Request-Id": f"sw-{i}"}
+        async with http.post(p.url + "/v1/completions", json=body(), headers=headers) as r:
+            return await r.read() if r.status == 200 else b"data: [DONE]\n\n"
+
+    answers = await asyncio.gather(*(one(i) for i in range(24)))
+    assert all(raw.endswith(b"data: [DONE]\n\n") for raw in answers)  # every stream ended
+    sent = Counter(rid for r in (a, b, c) for _, _, rid in r.log if rid and rid.startswith("sw-"))
+    assert len(sent) == 24 and max(sent.values()) <= 1 + BUDGET, sent.most_common(3)
 
 
 @pytest.mark.parametrize("failures", [1, 2, 5, 50])

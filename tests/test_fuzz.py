@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from proxy.state import SETTINGS
 from proxy.target import DEFAULT_FORWARD
 from tests.conftest import settings_for
 from tests.fakes import FakeRank, detok, next_token, tokenize
@@ -326,6 +327,11 @@ async def test_fuzz(fakes, proxy) -> None:
             # The proxy's own error codes are strings; vLLM's (and the fakes') are ints.
             if isinstance(json.loads(out.body or b"{}").get("error", {}).get("code"), str):
                 refused.add(rid)
+    # Bounded work: no client request cost more upstream requests than its budget.
+    sent = Counter(rid for rank in ranks for _, _, rid in rank.log if rid and rid.startswith("fz-"))
+    budget = 1 + p.app[SETTINGS].hold.max_continuations
+    assert max(sent.values()) <= budget, sent.most_common(3)
+    print(f"\nfuzz: upstream requests per forwarded request: {Counter(sent.values())}")
     # Nothing refused reached a rank; nothing outside the allow-list did.
     for rank in ranks:
         for method, target, rid in rank.log:
