@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import statistics
 import time
@@ -85,6 +86,8 @@ async def _cost(on: web.Application, off: web.Application, n: int, rounds: int,
 async def measure(requests: int, rounds: int) -> None:
     off = _app(None)
     apps = {fmt: _app(fmt) for fmt in ("json", "text")}
+    gc.collect()  # as the server does once started (proxy.server): start-up
+    gc.freeze()  # objects stay out of the collector's full passes
     # Warm every configuration up first: the first rounds of a process grow its
     # heap, which would count against whichever configuration runs first.
     for on in apps.values():

@@ -103,13 +103,21 @@ class AccessRecord:
 
 
 CURRENT: ContextVar[AccessRecord | None] = ContextVar("ftproxy_access", default=None)
-# Set for every request, access log on or off: json event logs carry it.
+# The request id where there is no record (access log off, or a side request
+# that is not the client's): with a record, the record has it (one context
+# variable set per request, not two).
 REQUEST_ID: ContextVar[str | None] = ContextVar("ftproxy_request_id", default=None)
 
 
 # The record of the request this task serves, if any. (Bound, not wrapped:
 # the relay asks for it on every request.)
 current: Callable[[], AccessRecord | None] = CURRENT.get
+
+
+def request_id() -> str | None:
+    """The id of the request this task serves, if any: json event logs carry it."""
+    rec = CURRENT.get()
+    return REQUEST_ID.get() if rec is None else rec.request_id
 
 
 _PROMPT = re.compile(rb'"prompt_tokens":\s*(\d+)')

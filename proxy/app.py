@@ -64,9 +64,9 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     """Outermost: give every request an id; write its access-log line once it ends."""
     request_id = client_request_id(request.headers) or f"ftp-{uuid.uuid4().hex[:16]}"
     request[REQUEST_ID] = request_id
-    id_token = accesslog.REQUEST_ID.set(request_id)
     access = request.app[ACCESS_LOG]
     if access is None:
+        id_token = accesslog.REQUEST_ID.set(request_id)
         try:
             return await handler(request)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -94,7 +94,6 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             rec.end = End.FINISHED if rec.status < 400 else accesslog.end_for(rec.status)
         access.write(rec)
         accesslog.CURRENT.reset(token)
-        accesslog.REQUEST_ID.reset(id_token)
 
 
 @web.middleware

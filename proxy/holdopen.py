@@ -395,6 +395,7 @@ class HeldStream:
         out = Outbound(method, path, self.out.headers, body, self.out.request_id,
                        model=self.out.model)  # same model, same tokenizer  # fmt: skip
         token = accesslog.CURRENT.set(None)
+        id_token = accesslog.REQUEST_ID.set(self.out.request_id)  # its logs still say whose
         try:
             async with asyncio.timeout(max(self._hold_left(), 0.1)):
                 attempt = await self.relay.open(out, queue_s=self._hold_left())
@@ -408,6 +409,7 @@ class HeldStream:
         except (ProxyError, ConnectionError, BadResponse) as e:
             return 503, str(e).encode()
         finally:
+            accesslog.REQUEST_ID.reset(id_token)
             accesslog.CURRENT.reset(token)
 
     async def _decode(self, ids: list[int]) -> str:

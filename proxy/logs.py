@@ -25,7 +25,7 @@ class JsonFormatter(logging.Formatter):
             "ts": accesslog.iso(record.created), "level": record.levelname,
             "logger": record.name, "msg": record.getMessage(),
         }  # fmt: skip
-        request_id = accesslog.REQUEST_ID.get()
+        request_id = accesslog.request_id()
         if request_id is not None:
             obj["request_id"] = request_id
         if record.exc_info:

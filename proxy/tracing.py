@@ -121,7 +121,7 @@ def middleware(tracing: Tracing) -> Middleware:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else ""
         attrs = {"http.request.method": request.method, "url.path": request.path[:512],
-                 "ftproxy.request_id": accesslog.REQUEST_ID.get() or ""}  # fmt: skip
+                 "ftproxy.request_id": accesslog.request_id() or ""}  # fmt: skip
         with tracing.request(f"{request.method} {route}".strip(), request.headers, attrs) as span:
             try:
                 resp = await handler(request)

@@ -139,15 +139,19 @@ def test_json_event_logs_carry_the_request_id() -> None:
     log = logging.getLogger("ftproxy.test")
     log.addHandler(handler)
     try:
-        token = accesslog.REQUEST_ID.set("rid-7")
+        token = accesslog.REQUEST_ID.set("rid-7")  # access log off: the id alone
         log.warning("inside %s", "a request")
         accesslog.REQUEST_ID.reset(token)
+        token = accesslog.CURRENT.set(AccessRecord("rid-8", "GET", "/"))  # on: its record
+        log.warning("logged")
+        accesslog.CURRENT.reset(token)
         log.warning("outside")
     finally:
         log.removeHandler(handler)
-    inside, outside = (json.loads(x) for x in stream.getvalue().splitlines())
+    inside, logged, outside = (json.loads(x) for x in stream.getvalue().splitlines())
     assert inside == {"ts": inside["ts"], "level": "WARNING", "logger": "ftproxy.test",
                       "msg": "inside a request", "request_id": "rid-7"}  # fmt: skip
+    assert logged["request_id"] == "rid-8"
     assert "request_id" not in outside and outside["msg"] == "outside"
 
 
