@@ -34,7 +34,8 @@ test: lint
 	$(PY) -m pytest
 
 bench-held: setup
-	flock /tmp/ftproxy-heavy.lock $(PY) -m bench.held --streams $(or $(STREAMS),9000)
+	flock /tmp/ftproxy-heavy.lock $(PY) -m bench.held --streams $(or $(STREAMS),9000) \
+		--workers $(or $(WORKERS),1)
 
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
