@@ -27,9 +27,9 @@ from proxy.continuation import (
     refusal,
     text_of,
 )
-from proxy.errors import error_body
+from proxy.errors import UpstreamFailed, error_body
 from proxy.holdopen import Collector, HeldStream
-from proxy.rankclient import BODY_ERRORS
+from proxy.rankclient import BODY_ERRORS, RankResponse
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.sink import ChunkSink
 from proxy.upstream import response_headers
@@ -59,6 +59,7 @@ async def _stream(
     request: web.Request, attempt: Attempt,
 ) -> web.StreamResponse:  # fmt: skip
     up = attempt.response
+    _check_encoding(up)
     if up.status != 200 or up.content_type != "text/event-stream":
         return await relay.relay(request, attempt)  # errors pass through as they are
     resp = web.StreamResponse(headers=response_headers(up.headers))
@@ -73,6 +74,7 @@ async def _whole(
     request: web.Request, attempt: Attempt,
 ) -> web.StreamResponse:  # fmt: skip
     up = attempt.response
+    _check_encoding(up)
     try:
         raw: bytes | None = await up.read()
     except BODY_ERRORS:
@@ -91,6 +93,16 @@ async def _whole(
     collector = Collector()
     await HeldStream(relay, out, book, refused, collector).run(None)
     return _assemble(book, collector.events)
+
+
+def _check_encoding(up: RankResponse) -> None:
+    """The proxy reads these answers (aborts, token ids, holds): a compressed
+    one would be passed on unread, or as plain bytes labeled compressed."""
+    encoding = up.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("identity", ""):
+        up.close()
+        raise UpstreamFailed(f"the rank answered with Content-Encoding {encoding!r}, which the "
+                             "proxy does not read; it asks ranks for identity")  # fmt: skip
 
 
 def _tokens(book: Book) -> tuple[int | None, int | None]:

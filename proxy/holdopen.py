@@ -37,7 +37,7 @@ from proxy.rankclient import BODY_ERRORS, BadResponse, RankResponse
 from proxy.ranks import UNHEALTHY, Rank, group_fault
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.settings import Hold
-from proxy.sse import DONE, KEEPALIVE, SSEParser, event
+from proxy.sse import DONE, KEEPALIVE, EventTooLarge, SSEParser, event
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -255,7 +255,11 @@ class HeldStream:
         self.last_event = time.monotonic()
         out: list[bytes] = []
         outcome = None
-        for data in parser.feed(chunk):
+        try:
+            events = parser.feed(chunk)
+        except EventTooLarge as e:  # memory stays bounded: the rank is not sending SSE
+            raise StreamFailed(f"the rank sent {e}", "upstream_event_too_large") from e
+        for data in events:
             outcome = self._on_event(data, handle, out)
             if outcome is not None:
                 break

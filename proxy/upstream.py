@@ -24,6 +24,11 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 
 
+# The body goes on decoded (proxy.inbound), so its encoding header does not;
+# the client's Accept-Encoding is not the proxy's (see request_headers).
+_ENCODINGS = frozenset({"content-encoding", "accept-encoding"})
+
+
 def make_rank_client(
     t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True
 ) -> RankClient:
@@ -63,9 +68,11 @@ def request_headers(
     for k, v in incoming.items():
         lk = k.lower()
         # The body goes on decoded (proxy.inbound), so its encoding header does not.
-        if lk in _HOP_BY_HOP or lk == "content-encoding" or (strip_auth and lk == "authorization"):
+        if lk in _HOP_BY_HOP or lk in _ENCODINGS or (strip_auth and lk == "authorization"):
             continue
         out.add(k, v)
+    # The proxy reads generation answers (holds, continuations): uncompressed.
+    out["Accept-Encoding"] = "identity"
     out["X-Request-Id"] = request_id
     return out
 

@@ -1,0 +1,187 @@
+"""A rank that misbehaves on the wire, seen through the proxy: the client gets
+an OpenAI-shaped error or its stream, never a hang, a mislabeled body or
+unbounded memory, and no connection outlives its request."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import AsyncIterator, Callable
+from typing import Any, ClassVar
+
+import aiohttp
+import orjson
+import pytest
+
+from bench.backend import Conn, _chunk, _head
+from bench.validate import Ask, check_stream, sse_payloads
+from proxy.rankclient import RankClient
+from proxy.server import Running
+from proxy.settings import Settings
+from proxy.state import RELAY
+
+BODY = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": True, "pace_s": 0.002}
+EVENT = (
+    b'data: {"id":"c","object":"text_completion","created":1,"model":"m",'
+    b'"choices":[{"index":0,"text":"x","token_ids":[1000],"finish_reason":null}]}\n\n'
+)
+
+
+class _Rank(Conn):
+    """bench.backend's fake vLLM; ``misbehave`` answers completions instead."""
+
+    misbehave: ClassVar[Callable[[_Rank, dict[str, Any]], None] | None] = None
+    open: ClassVar[int] = 0
+    completions: ClassVar[int] = 0
+    heads: ClassVar[list[bytes]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        _Rank.open += 1
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        _Rank.open -= 1
+        super().connection_lost(exc)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        _Rank.heads.append(name.lower() + b": " + value)
+
+    def on_message_complete(self) -> None:
+        if self.url.startswith(b"/v1/completions"):
+            _Rank.completions += 1
+            if _Rank.misbehave is not None:
+                _Rank.misbehave(self, orjson.loads(b"".join(self.body)))
+                return
+        super().on_message_complete()
+
+
+@pytest.fixture
+async def rank() -> AsyncIterator[int]:
+    _Rank.misbehave, _Rank.open, _Rank.completions, _Rank.heads = None, 0, 0, []
+    server = await asyncio.get_running_loop().create_server(_Rank, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+
+
+async def _proxy(proxy: Callable[..., Any], port: int, **limits: Any) -> Running:
+    settings = Settings(
+        listen={"host": "127.0.0.1", "port": 0},
+        groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}]}],
+        timeouts={"poll_interval_s": 0.5}, limits=limits,
+    )  # fmt: skip
+    running: Running = await proxy(settings)
+    return running
+
+
+async def test_an_event_without_end_is_bounded_and_ends_the_stream_with_an_error(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    sent = 0
+
+    def endless(conn: Conn, body: dict[str, Any]) -> None:
+        conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(EVENT))
+
+        async def flood() -> None:
+            nonlocal sent
+            while not conn.closed and sent < 64 << 20:  # bounded: the test ends by itself
+                conn.write(_chunk(b"y" * 65536))
+                sent += 65536
+                await asyncio.sleep(0)
+
+        asyncio.get_running_loop().create_task(flood())
+
+    _Rank.misbehave = endless
+    running = await _proxy(proxy, rank)
+    async with aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{running.port}/v1/completions"
+        async with http.post(url, json=BODY, timeout=aiohttp.ClientTimeout(20)) as r:
+            assert r.status == 200
+            events = sse_payloads(await r.read())
+    assert events[-1] == b"[DONE]"
+    err = orjson.loads(events[-2])["error"]
+    assert err["code"] == "upstream_event_too_large" and "MiB" in err["message"]
+    assert sent < 32 << 20, "the proxy kept reading an event that never ends"
+
+
+async def test_a_compressed_answer_is_never_passed_on_mislabeled(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    def gzipped(conn: Conn, body: dict[str, Any]) -> None:
+        data = gzip.compress(EVENT + b"data: [DONE]\n\n")
+        head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"content-encoding: gzip\r\ncontent-length: %d\r\n\r\n")  # fmt: skip
+        conn.write(head % len(data) + data)
+        conn.done()
+
+    _Rank.misbehave = gzipped
+    running = await _proxy(proxy, rank)
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        url = f"http://127.0.0.1:{running.port}/v1/completions"
+        for stream in (True, False):
+            _Rank.heads.clear()
+            body = {**BODY, "stream": stream}
+            headers = {"Accept-Encoding": "gzip, br"}
+            async with http.post(url, json=body, headers=headers) as r:
+                raw = await r.read()
+                assert r.status == 502, raw
+                assert r.headers.get("Content-Encoding") is None
+                assert orjson.loads(raw)["error"]["code"] == "upstream_failed"
+            assert b"accept-encoding: identity" in _Rank.heads  # the proxy asked for none
+
+
+async def test_clients_that_leave_mid_stream_leave_no_upstream_connection_behind(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    running = await _proxy(proxy, rank)
+    client: RankClient = running.app[RELAY].client
+    url = f"http://127.0.0.1:{running.port}/v1/completions"
+    body = {**BODY, "max_tokens": 400, "pace_s": 0.001}
+
+    async def leave(http: aiohttp.ClientSession) -> None:
+        async with http.post(url, json=body) as r:
+            assert r.status == 200
+            await r.content.readuntil(b"\n\n")  # the stream began; the client leaves
+
+    conn = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=conn) as http:
+        for _ in range(25):
+            await asyncio.gather(*(leave(http) for _ in range(20)))
+    for _ in range(100):  # the proxy closes each abandoned upstream as it notices
+        if len(client._all) <= 2 and _Rank.open <= 3:
+            break
+        await asyncio.sleep(0.05)
+    assert len(client._all) <= 2, f"{len(client._all)} upstream connections after 500 left"
+    assert _Rank.open <= 3  # the rank agrees (one more: the status poller's)
+    ask = {**BODY, "return_token_ids": True}
+    async with aiohttp.ClientSession() as http, http.post(url, json=ask) as r:  # still serves
+        check_stream(Ask(12, ids=True), sse_payloads(await r.read()))
+
+
+async def test_a_pooled_connection_closed_as_it_is_reused_is_resent_once(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    seen: list[int] = []
+
+    def drop_reused(conn: Conn, body: dict[str, Any]) -> None:
+        seen.append(id(conn))
+        if seen.count(id(conn)) > 1 or body.get("drop_all"):
+            conn.transport.close()  # type: ignore[union-attr]  # vLLM's keep-alive ran out
+            return
+        Conn.on_message_complete(conn)
+
+    _Rank.misbehave = drop_reused
+    running = await _proxy(proxy, rank)
+    url = f"http://127.0.0.1:{running.port}/v1/completions"
+    whole = {**BODY, "stream": False}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json=whole) as r:
+            assert r.status == 200
+        assert _Rank.completions == 1
+        async with http.post(url, json=whole) as r:  # on the pooled one: dropped, resent
+            assert r.status == 200
+        assert _Rank.completions == 3 and len(set(seen)) == 2
+        async with http.post(url, json={**whole, "drop_all": True}) as r:
+            assert r.status == 502
+            assert orjson.loads(await r.read())["error"]["code"] == "upstream_failed"
+        assert _Rank.completions == 5, "sent more than twice: once pooled, once fresh"
