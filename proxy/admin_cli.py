@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,10 +18,15 @@ _STATUS_STYLE = {"healthy": "green", "unhealthy": "yellow", "dead": "red"}
 
 
 class AdminClient:
-    def __init__(self, url: str, token: str | None) -> None:
+    def __init__(self, url: str, token: str | None, ca_file: Path | None = None) -> None:
         token = token or os.environ.get("FTPROXY_ADMIN__TOKEN")
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # An https:// proxy whose certificate is not in the system's store (listen.tls).
+        self.tls = ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+
+    def session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.tls))
 
     async def call(
         self, http: aiohttp.ClientSession, method: str, path: str, body: Any = None
@@ -46,7 +53,7 @@ def rank_table(ranks: list[dict[str, Any]]) -> Table:
 
 async def status(client: AdminClient, once: bool, interval_s: float = 0.5) -> int:
     console = Console()
-    async with aiohttp.ClientSession() as http:
+    async with client.session() as http:
         code, body = await client.call(http, "GET", "/admin/ranks")
         if code != 200:
             console.print(f"[red]{code}[/] {body}")
@@ -64,7 +71,7 @@ async def status(client: AdminClient, once: bool, interval_s: float = 0.5) -> in
 async def retry(client: AdminClient, group: str, wait_s: float, recover_s: float) -> int:
     console = Console()
     body = {"group": group, "wait_unhealthy_s": wait_s, "recover_s": recover_s}
-    async with aiohttp.ClientSession() as http:
+    async with client.session() as http:
         round_ = asyncio.create_task(client.call(http, "POST", "/admin/retry", body))
         with console.status(f"retry round for group {group}") as spinner:
             while not round_.done():

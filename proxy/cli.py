@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--url", default="http://127.0.0.1:8000", help="the proxy")
         cmd.add_argument("--token", help="admin token (default: $FTPROXY_ADMIN__TOKEN)")
+        cmd.add_argument("--ca-file", type=Path, help="CA of an https:// proxy's certificate")
         if name == "status":
             cmd.add_argument("--once", action="store_true", help="print once and exit")
         else:
@@ -47,7 +48,11 @@ def _run(coro_factory: object) -> None:
 def _admin(args: argparse.Namespace) -> int:
     from proxy import admin_cli
 
-    client = admin_cli.AdminClient(args.url, args.token)
+    try:
+        client = admin_cli.AdminClient(args.url, args.token, args.ca_file)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        print(f"ft-proxy: cannot use --ca-file {args.ca_file}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     if args.command == "status":
         coro = admin_cli.status(client, args.once)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import ssl
 import sys
@@ -244,3 +245,25 @@ def test_good_tls_config_loads(tmp_path: Path, certs: Certs) -> None:
     path.write_text(GOOD + f"listen: {listener}\nupstream_tls: {upstream}\n")
     s = load_settings(path)
     assert s.listen.tls is not None and isinstance(s.upstream_tls.context(), ssl.SSLContext)
+
+
+async def test_cli_talks_to_a_tls_proxy_with_its_ca(fakes, proxy, certs) -> None:
+    a = await fakes(name="a")
+    s = with_listener(settings_for([a], admin={"token": "adm"}),
+                      ListenerTLS(cert_file=certs.server_file))  # fmt: skip
+    p = await proxy(s)
+
+    async def status(*extra: str) -> tuple[int, bytes]:
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "status", "--once", "--url", p.url, "--token", "adm",
+            *extra, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "COLUMNS": "120"},
+        )  # fmt: skip
+        out, err = await cli.communicate()
+        assert cli.returncode is not None
+        return cli.returncode, out + err
+
+    code, out = await status("--ca-file", str(certs.ca_file))
+    assert code == 0 and b"healthy" in out, out
+    code, out = await status()  # the system store does not know this CA
+    assert code == 1 and b"cannot reach" in out, out
