@@ -255,8 +255,8 @@ _OPEN: weakref.WeakSet[AccessLog] = weakref.WeakSet()
 
 
 @atexit.register
-def _flush_all() -> None:
-    # Lines still in memory when the process ends (the loop is gone by then).
+def flush_all() -> None:
+    """Write the lines still in memory: the process ends (its loop is gone)."""
     for access in list(_OPEN):
         with contextlib.suppress(Exception):
             access.flush()

@@ -125,6 +125,9 @@ class Supervisor:
         except BaseException:  # a child must never return into the parent's code
             log.exception("worker %d failed", slot)
         finally:
+            from proxy import accesslog  # loaded by the worker already
+
+            accesslog.flush_all()  # os._exit skips atexit: a crashed worker's last lines too
             logging.shutdown()
             os._exit(code)
 

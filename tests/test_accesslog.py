@@ -278,3 +278,13 @@ def test_every_metric_is_in_the_readme_table() -> None:
     assert len(names) > 20
     assert names - documented == set()
     assert documented - names == set()  # and no row for a metric that is gone
+
+
+async def test_lines_pending_when_the_process_ends_are_written() -> None:
+    out = io.StringIO()
+    access = AccessLog("json", out)
+    access.write(AccessRecord("last-1", "GET", "/health"))
+    assert out.getvalue() == ""
+    accesslog.flush_all()  # what a worker does before os._exit, and atexit
+    assert json.loads(out.getvalue())["request_id"] == "last-1"
+    await access.close()
