@@ -7,6 +7,8 @@ the few calls below are all it needs. Keys under ``prefix``:
 ``leader/<group>``        one process's id, on its lease: it alone starts
                           the group's automatic rounds and takes over its
                           orphaned rounds (each group has its own leader)
+``members/<id>``          every live process, on its lease: the groups'
+                          leaderships are spread over them
 ``rounds/<group>``        the group's latest round: id, instruction, params,
                           targets, state (``waiting`` -> ``sent`` -> ``done``)
                           and, once done, the report every caller gets
@@ -208,6 +210,14 @@ class Client:
     async def delete(self, key: str) -> None:
         await self.call("/v3/kv/deleterange", {"key": _b64(key)})
 
+    async def delete_if(self, key: str, value: Any) -> bool:
+        """Delete ``key`` only while it still holds ``value``."""
+        compare = {"key": _b64(key), "target": "VALUE", "value": _b64(json.dumps(value))}
+        answer = await self.call("/v3/kv/txn", {"compare": [compare],
+                                                "success": [{"request_delete_range":
+                                                             {"key": _b64(key)}}]})  # fmt: skip
+        return bool(answer.get("succeeded"))
+
     async def create(self, key: str, value: Any, lease: str | None = None,
                      also: list[tuple[str, Any, str | None]] | None = None,
                      mod_revision: int = 0) -> bool:  # fmt: skip
@@ -253,6 +263,7 @@ class Etcd(Coordination):
         # One leader key per group, all on this process's lease. A group asked
         # about later (wait_leader) is campaigned for from then on.
         self._leads: dict[str, asyncio.Event] = {g: asyncio.Event() for g in groups}
+        self._unled: dict[str, int] = {}  # ticks a group has been seen without a leader
         # Changes seen by the watch, by kind; _wake is set (and replaced) on each.
         self._seq: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._wake = asyncio.Event()
@@ -348,24 +359,66 @@ class Etcd(Coordination):
             self._step_down("lease lost")
             self.lease = await self.client.grant(self.cfg.lease_ttl_s)
             self._leased.set()
-        for group, event in list(self._leads.items()):
-            if not event.is_set() and await self._campaign(group):
-                log.info("%s leads recovery of group %s (etcd lease %s)", self.me, group,
-                         self.lease)  # fmt: skip
-                event.set()
-                self._leader.set()
+        await self._balance()
         if self.is_leader():
             await self._take_over_orphans()
 
-    async def _campaign(self, group: str) -> bool:
-        """Take the group's leader key; or find it still ours (this process
-        stepped down on an etcd error while its lease, and so its key, lived on)."""
+    async def _balance(self) -> None:
+        """Lead a fair share of the groups.
+
+        Every live process has a ``members/<id>`` key on its lease. A process
+        takes a group nobody leads while it leads fewer than its share
+        (groups / members, rounded up), or any group left without a leader
+        for two of its ticks (a member that cannot take it); a process over
+        its share while another is under gives one group up, and the watch
+        hands it to a process under its share at once. So leadership spreads
+        over the replicas, and one dead process takes only its own groups'
+        leaders with it.
+        """
         assert self.lease is not None
-        key = self._key("leader", group)
-        if await self.client.create(key, self.me, self.lease):
-            return True
-        holder, _ = await self.client.get(key)
-        return bool(holder == self.me)
+        members_at = self._key("members") + "/"
+        members = {k[len(members_at) :] for k in await self.client.get_prefix(members_at)}
+        if self.me not in members:
+            await self.client.put(self._key("members", self.me), True, self.lease)
+            members.add(self.me)
+        leaders_at = self._key("leader") + "/"
+        holders = {k[len(leaders_at) :]: json.loads(v)
+                   for k, v in (await self.client.get_prefix(leaders_at)).items()}  # fmt: skip
+        groups = sorted(self._leads)
+        share = -(-len(groups) // len(members))
+        mine = [g for g in groups if holders.get(g) == self.me]
+        for group in groups:
+            event = self._leads[group]
+            if group in holders:
+                self._unled.pop(group, None)
+                if holders[group] == self.me and not event.is_set():
+                    self._lead(group)  # new, or still ours after an etcd error
+                elif holders[group] != self.me and event.is_set():
+                    event.clear()  # not ours any more (the key went, another took it)
+                continue
+            self._unled[group] = self._unled.get(group, 0) + 1
+            if (len(mine) < share or self._unled[group] > 2) and await self._campaign(group):
+                mine.append(group)
+                self._lead(group)
+        if not any(e.is_set() for e in self._leads.values()):
+            self._leader.clear()
+        counts = [sum(1 for h in holders.values() if h == m) for m in members]
+        if len(mine) > share and min(counts) < share:
+            group = mine[-1]
+            self._leads[group].clear()  # stop starting its rounds before the key goes
+            if await self.client.delete_if(self._key("leader", group), self.me):
+                log.info("%s hands group %s over (it leads %d, its share is %d)",
+                         self.me, group, len(mine), share)  # fmt: skip
+
+    def _lead(self, group: str) -> None:
+        log.info("%s leads recovery of group %s (etcd lease %s)", self.me, group, self.lease)
+        self._leads[group].set()
+        self._leader.set()
+
+    async def _campaign(self, group: str) -> bool:
+        """Take the group's leader key."""
+        assert self.lease is not None
+        return await self.client.create(self._key("leader", group), self.me, self.lease)
 
     async def close(self) -> None:
         self._step_down("stopping", logging.INFO)
