@@ -252,13 +252,14 @@ class HeldStream:
     ) -> tuple[list[bytes], str | None]:
         """One upstream read: the client's bytes for it (one write however
         many events it held) and the outcome, if it ends this upstream."""
-        self.last_event = time.monotonic()
         out: list[bytes] = []
         outcome = None
         try:
             events = parser.feed(chunk)
         except EventTooLarge as e:  # memory stays bounded: the rank is not sending SSE
             raise StreamFailed(f"the rank sent {e}", "upstream_event_too_large") from e
+        if events:  # bytes that never make an event (a drip) are a stall, not progress
+            self.last_event = time.monotonic()
         for data in events:
             outcome = self._on_event(data, handle, out)
             if outcome is not None:

@@ -359,3 +359,18 @@ async def test_an_answer_before_the_request_body_was_read_is_not_reused(rank) ->
     resp.release()
     assert not client._idle_conns.get((url.raw_host, url.port, False)), "half-sent request pooled"
     await client.close()
+
+
+async def test_a_rank_that_stops_reading_the_request_times_out(rank) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # then reads nothing more, answers nothing
+        await asyncio.sleep(5)
+
+    client = _client(read_s=0.3)
+    with pytest.raises(ReadTimeout):
+        await asyncio.wait_for(
+            client.request("POST", await rank(serve), CIMultiDict(), b"x" * (8 << 20)), 5
+        )
+    await asyncio.sleep(0.05)
+    assert not client._all  # closed, not pooled
+    await client.close()
