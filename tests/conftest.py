@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from proxy.ranks import RankTable
 from proxy.server import Running, start
@@ -19,6 +21,12 @@ from proxy.settings import Settings
 from tests.fakes import FakeRank
 
 FAST_POLL_S = 0.05
+
+# CI runs the same examples every time (a red run then means a change broke
+# something, not that the search got lucky); local runs keep searching anew.
+hypothesis_settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    hypothesis_settings.load_profile("ci")
 
 
 def free_port() -> int:
