@@ -305,17 +305,22 @@ class RankResponse:
                 return v.split(b";", 1)[0].strip().lower().decode("latin-1")
         return "application/octet-stream"  # what aiohttp said for none
 
+    def _take_buffered(self) -> bytes:
+        """Everything buffered, joined; the rank's socket reads again if it
+        was paused for a full buffer."""
+        data = self._buf.popleft() if len(self._buf) == 1 else b"".join(self._buf)
+        self._buf.clear()
+        self._buffered = 0
+        if self._paused and self._conn is not None:
+            self._paused = False
+            self._conn.resume()
+        return data
+
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives: everything buffered at each wake, joined."""
         while True:
             if self._buf:
-                data = self._buf.popleft() if len(self._buf) == 1 else b"".join(self._buf)
-                self._buf.clear()
-                self._buffered = 0
-                if self._paused and self._conn is not None:
-                    self._paused = False
-                    self._conn.resume()
-                yield data
+                yield self._take_buffered()
                 continue
             if self._exc is not None:
                 raise self._exc
@@ -330,13 +335,7 @@ class RankResponse:
         (what follows is buffered for the next call) or the body has ended;
         what ``consume`` raised, or a lost connection, is raised here."""
         while self._buf:  # what arrived before, in order
-            data = self._buf.popleft() if len(self._buf) == 1 else b"".join(self._buf)
-            self._buf.clear()
-            self._buffered = 0
-            if self._paused and self._conn is not None:
-                self._paused = False
-                self._conn.resume()
-            if not consume(data):
+            if not consume(self._take_buffered()):
                 return
         self._direct = consume
         try:
