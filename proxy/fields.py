@@ -70,42 +70,46 @@ _INT_LIST = TypeAdapter(list[int] | None)
 _TOOL_CHOICE = TypeAdapter(str | dict[str, Any] | None)
 _PROMPT = TypeAdapter(list[int] | list[list[int]] | str | list[str] | None)
 
-Check = tuple[TypeAdapter[Any], str]
+# A check: the validator, what the field must be (for the error), and the
+# types a value may have to pass without the validator (exactly those types,
+# which the validator would accept as they are; most requests send only these).
+Check = tuple[TypeAdapter[Any], str, tuple[type, ...]]
+_N: type = type(None)
 
 # Fields of completions and chat the proxy reads (null means "default").
 COMMON: dict[str, Check] = {
-    "model": (_STR, "a string"),
-    "stream": (_BOOL, "a boolean"),
-    "stream_options": (_OBJECT, "an object"),
-    "n": (_INT, "an integer"),
-    "best_of": (_INT, "an integer"),
-    "max_tokens": (_INT, "an integer"),
-    "max_completion_tokens": (_INT, "an integer"),
-    "min_tokens": (_INT, "an integer"),
-    "stop": (_STOP, "a string or a list of strings"),
-    "stop_token_ids": (_INT_LIST, "a list of integers"),
-    "return_token_ids": (_BOOL, "a boolean"),
-    "include_stop_str_in_output": (_BOOL, "a boolean"),
-    "use_beam_search": (_BOOL, "a boolean"),
-    "top_logprobs": (_INT, "an integer"),
-    "prompt_logprobs": (_INT, "an integer"),
-    "temperature": (_FLOAT, "a number"),
-    "response_format": (_OBJECT, "an object"),
-    "tools": (_LIST, "a list"),
-    "tool_choice": (_TOOL_CHOICE, "a string or an object"),
+    "model": (_STR, "a string", (str, _N)),
+    "stream": (_BOOL, "a boolean", (bool, _N)),
+    "stream_options": (_OBJECT, "an object", (dict, _N)),
+    "n": (_INT, "an integer", (int, _N)),
+    "best_of": (_INT, "an integer", (int, _N)),
+    "max_tokens": (_INT, "an integer", (int, _N)),
+    "max_completion_tokens": (_INT, "an integer", (int, _N)),
+    "min_tokens": (_INT, "an integer", (int, _N)),
+    "stop": (_STOP, "a string or a list of strings", (str, _N)),
+    "stop_token_ids": (_INT_LIST, "a list of integers", (_N,)),
+    "return_token_ids": (_BOOL, "a boolean", (bool, _N)),
+    "include_stop_str_in_output": (_BOOL, "a boolean", (bool, _N)),
+    "use_beam_search": (_BOOL, "a boolean", (bool, _N)),
+    "top_logprobs": (_INT, "an integer", (int, _N)),
+    "prompt_logprobs": (_INT, "an integer", (int, _N)),
+    "temperature": (_FLOAT, "a number", (float, int, _N)),
+    "response_format": (_OBJECT, "an object", (dict, _N)),
+    "tools": (_LIST, "a list", (list, _N)),
+    "tool_choice": (_TOOL_CHOICE, "a string or an object", (str, dict, _N)),
 }
 COMPLETION_ONLY: dict[str, Check] = {
-    "prompt": (_PROMPT, "a string, a list of strings, or a list of token-id lists"),
-    "logprobs": (_INT, "an integer"),
-    "echo": (_BOOL, "a boolean"),
-    "suffix": (_STR, "a string"),
+    "prompt": (_PROMPT, "a string, a list of strings, or a list of token-id lists", (str, _N)),
+    "logprobs": (_INT, "an integer", (int, _N)),
+    "echo": (_BOOL, "a boolean", (bool, _N)),
+    "suffix": (_STR, "a string", (str, _N)),
 }
 CHAT_ONLY: dict[str, Check] = {
-    "logprobs": (_BOOL, "a boolean"),
+    "logprobs": (_BOOL, "a boolean", (bool, _N)),
 }
 STREAM_OPTIONS: dict[str, Check] = {
-    "include_usage": (_BOOL, "a boolean"),
-    "continuous_usage_stats": (_BOOL, "a boolean"),
+    "include_usage": (_BOOL, "a boolean", (bool, _N)),
+    "continuous_usage_stats": (_BOOL, "a boolean", (bool, _N)),
 }
 
 
@@ -135,10 +139,13 @@ def check_fields(kind: str, body: dict[str, Any]) -> None:
 
 
 def _check(body: dict[str, Any], checks: dict[str, Check], prefix: str) -> None:
-    for name, (adapter, what) in checks.items():
+    for name, (adapter, what, plain) in checks.items():
         if name not in body:
             continue
+        value = body[name]
+        if type(value) in plain:
+            continue
         try:
-            adapter.validate_python(body[name])
+            adapter.validate_python(value)
         except ValidationError:
             raise InvalidField(f"'{prefix}{name}' must be {what}", param=prefix + name) from None

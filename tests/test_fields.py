@@ -9,7 +9,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from proxy import fields
 from proxy.fields import MAX_DEPTH, InvalidField, InvalidJson, check_fields, parse_object
 from tests.conftest import settings_for
 
@@ -129,3 +132,26 @@ async def test_compressed_bodies_are_forwarded_decoded(fakes, proxy, http) -> No
         assert status == 200, got
         assert got["choices"][0]["finish_reason"] == "length"
     assert len(a.received) == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    value=st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(),
+        st.lists(st.integers()),
+        st.lists(st.text()),
+        st.dictionaries(st.text(), st.integers()),
+    )
+)
+def test_values_passed_without_the_validator_are_ones_it_accepts(value: object) -> None:
+    """check_fields skips pydantic for values of a check's plain types: every
+    such value must be one pydantic would accept too."""
+    tables = (fields.COMMON, fields.COMPLETION_ONLY, fields.CHAT_ONLY, fields.STREAM_OPTIONS)
+    for table in tables:
+        for adapter, _, plain in table.values():
+            if type(value) in plain:
+                adapter.validate_python(value)  # raises if the shortcut let a bad value by
