@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -23,6 +24,9 @@ from proxy.ranks import RankTable
 
 # How often a worker copies its table's in-flight counts into the shared files.
 SAMPLE_EVERY_S = 0.25
+
+# A labelled metric: .labels() gives one of the same type.
+M = TypeVar("M", Counter, Histogram)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -67,6 +71,8 @@ class Metrics:
         self.table = table
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
+        # Bounded: label values are rank names, status codes and fixed reasons.
+        self._children: dict[tuple[object, tuple[str, ...]], object] = {}
         r = self.registry
         self.task_restarts = Counter(
             "ftproxy_task_restarts", "Background tasks restarted after dying, by task",
@@ -167,6 +173,16 @@ class Metrics:
             "ftproxy_in_flight", "Requests in flight to the rank", ["rank"],
             multiprocess_mode="livesum", registry=None,
         )  # fmt: skip
+
+    def child(self, metric: M, *labels: str) -> M:
+        """``metric.labels(*labels)``, looked up once per label set: the relay
+        counts every request, and prometheus_client validates and joins the
+        labels on each call (measured: ~1.5 us a call)."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return cast(M, found)
 
     def sample(self) -> None:
         """Copy this worker's in-flight counts to the shared files."""

@@ -93,8 +93,9 @@ class Relay:
         finally:
             # Continuations add theirs to ``out.sent`` (proxy.holdopen).
             self.metrics.upstream_requests.observe(out.sent)
-        self.metrics.requests.labels(rank.name, str(attempt.response.status)).inc()
-        self.metrics.latency.labels(rank.name).observe(time.monotonic() - attempt.started)
+        m = self.metrics
+        m.child(m.requests, rank.name, str(attempt.response.status)).inc()
+        m.child(m.latency, rank.name).observe(time.monotonic() - attempt.started)
         return reply
 
     async def open(self, out: Outbound, queue_s: float | None = None) -> Attempt:
@@ -119,8 +120,7 @@ class Relay:
                 attempt = await self._try_traced(self.tracing, rank, out, failures)
             if attempt is None:
                 continue
-            last = not self._has_other(tried, out.model) or not out.may_send()
-            if attempt.response.status < 500 or last:
+            if attempt.response.status < 500 or self._last_try(tried, out):
                 if (rec := accesslog.current()) is not None:
                     rec.served_by(rank.name, rank.group)
                 return attempt
@@ -162,7 +162,7 @@ class Relay:
             self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
             log.warning("[%s] rank %s sent a malformed answer: %r", out.request_id, rank.name, e)
             return None
-        self.metrics.ttfb.labels(rank.name).observe(time.monotonic() - started)
+        self.metrics.child(self.metrics.ttfb, rank.name).observe(time.monotonic() - started)
         return Attempt(rank, resp, started)
 
     async def _try_traced(
@@ -177,8 +177,10 @@ class Relay:
                 span.set_attribute("http.response.status_code", attempt.response.status)
             return attempt
 
-    def _has_other(self, tried: set[str], model: str | None) -> bool:
-        return any(r.routable and r.name not in tried for r in self.table.serving(model))
+    def _last_try(self, tried: set[str], out: Outbound) -> bool:
+        """A 5xx from the last rank there is to try is the answer."""
+        others = any(r.routable and r.name not in tried for r in self.table.serving(out.model))
+        return not others or not out.may_send()
 
     async def _pick(
         self, exclude: frozenset[str], queue_s: float | None, model: str | None = None
@@ -220,11 +222,13 @@ class Relay:
                 body = await up.read()
             finally:
                 up.release()
-            return web.Response(body=body, status=up.status, headers=response_headers(up.headers))
+            return web.Response(
+                body=body, status=up.status, headers=response_headers(up.header_items())
+            )
         return await self._stream(request, up)
 
     async def _stream(self, request: web.Request, up: RankResponse) -> web.StreamResponse:
-        resp = web.StreamResponse(status=up.status, headers=response_headers(up.headers))
+        resp = web.StreamResponse(status=up.status, headers=response_headers(up.header_items()))
         complete = False
         try:
             await resp.prepare(request)
