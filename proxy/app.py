@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from functools import partial
 from pathlib import Path
@@ -62,7 +62,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost: give every request an id; write its access-log line once it ends."""
-    request_id = client_request_id(request.headers) or f"ftp-{uuid.uuid4().hex[:16]}"
+    request_id = client_request_id(request.headers) or f"ftp-{os.urandom(8).hex()}"
     request[REQUEST_ID] = request_id
     access = request.app[ACCESS_LOG]
     if access is None:

@@ -62,7 +62,7 @@ async def _stream(
     _check_encoding(up)
     if up.status != 200 or up.content_type != "text/event-stream":
         return await relay.relay(request, attempt)  # errors pass through as they are
-    resp = web.StreamResponse(headers=response_headers(up.headers))
+    resp = web.StreamResponse(headers=response_headers(up.header_items()))
     await resp.prepare(request)
     await HeldStream(relay, out, book, refused, ChunkSink(request, resp)).run(attempt)
     await resp.write_eof()
@@ -87,7 +87,7 @@ async def _whole(
             rec.tokens, rec.usage_raw = None, raw  # the answer's own usage counts
         if up.status == 200 and not book.wants_ids:
             raw = hide_ids(raw)
-        return web.Response(body=raw, status=up.status, headers=response_headers(up.headers))
+        return web.Response(body=raw, status=up.status, headers=response_headers(up.header_items()))
     # The client has nothing yet: start over from the prompt (the aborted
     # partial answer is dropped, never kept and then generated again).
     collector = Collector()
@@ -98,7 +98,7 @@ async def _whole(
 def _check_encoding(up: RankResponse) -> None:
     """The proxy reads these answers (aborts, token ids, holds): a compressed
     one would be passed on unread, or as plain bytes labeled compressed."""
-    encoding = up.headers.get("Content-Encoding", "identity").strip().lower()
+    encoding = (up.header(b"content-encoding") or "identity").strip().lower()
     if encoding not in ("identity", ""):
         up.close()
         raise UpstreamFailed(f"the rank answered with Content-Encoding {encoding!r}, which the "

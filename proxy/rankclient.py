@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl as ssl_module
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import cast
 
 import httptools
@@ -292,11 +292,20 @@ class RankResponse:
     @property
     def headers(self) -> CIMultiDict[str]:
         if self._headers is None:
-            self._headers = CIMultiDict(
-                (n.decode("latin-1"), v.decode("utf-8", "surrogateescape"))
-                for n, v in self._raw_headers
-            )
+            self._headers = CIMultiDict(self.header_items())
         return self._headers
+
+    def header_items(self) -> Iterator[tuple[str, str]]:
+        """The headers as sent, in order, without building a multidict."""
+        for n, v in self._raw_headers:
+            yield n.decode("latin-1"), v.decode("utf-8", "surrogateescape")
+
+    def header(self, name: bytes) -> str | None:
+        """The first value of header ``name`` (lower case), if any."""
+        for n, v in self._raw_headers:
+            if n.lower() == name:
+                return v.decode("utf-8", "surrogateescape")
+        return None
 
     @property
     def content_type(self) -> str:
@@ -351,6 +360,8 @@ class RankResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
+        if self.complete and self._exc is None:  # all in already: no iterator
+            return self._take_buffered() if self._buf else b""
         parts = [chunk async for chunk in self.chunks()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

@@ -6,7 +6,7 @@ Upstream only sends and closes; which rank to use is the balancer's call.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import aiohttp
 from multidict import CIMultiDict
@@ -77,5 +77,6 @@ def request_headers(
     return out
 
 
-def response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in _HOP_BY_HOP)
+def response_headers(upstream: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
+    """A rank's answer headers (``RankResponse.header_items()``) for the client."""
+    return CIMultiDict((k, v) for k, v in upstream if k.lower() not in _HOP_BY_HOP)
