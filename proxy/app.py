@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from proxy.ranks import RankTable
 from proxy.recovery import AutoRecovery, Recovery
 from proxy.relay import Outbound, Relay
 from proxy.settings import Settings
+from proxy.sink import AioReply, Reply
 from proxy.state import (
     ACCESS_LOG,
     CONFIG_PATH,
@@ -147,22 +148,32 @@ def _refusal(request: web.Request, err: ProxyError) -> web.Response:
 async def proxy_v1(request: web.Request) -> web.StreamResponse:
     """An allow-listed serving endpoint (``routing.forward``): to one healthy rank."""
     settings = request.app[SETTINGS]
-    check_api_key(request, settings.api_keys)
+    check_api_key(request.headers, settings.api_keys)
     max_bytes = settings.limits.max_body_bytes
     parsed: dict[str, Any] = {}
     if request.method in ("POST", "PUT", "PATCH"):
         body, parsed = await read_json(request, max_bytes, settings.limits.body_timeout_s)
     else:
         body = await read_body(request, max_bytes, settings.limits.body_timeout_s)
-    request_id = request[REQUEST_ID]
-    if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
-        rec.model = parsed["model"][:200]
-    headers = request_headers(request.headers, request_id, strip_auth=bool(settings.api_keys))
     # The route's own path (from the config), not the client's spelling of it.
     resource = request.match_info.route.resource
     assert resource is not None  # registered on plain resources only
-    path = resource.canonical
-    out = Outbound(request.method, path, headers, body, request_id)
+    reply = AioReply(request)
+    await forward_v1(request.app, reply, request.method, resource.canonical, request.headers,
+                     body, parsed, request[REQUEST_ID])  # fmt: skip
+    return reply.answer()
+
+
+async def forward_v1(
+    app: web.Application, reply: Reply, method: str, path: str,
+    headers: Mapping[str, str], body: bytes, parsed: dict[str, Any], request_id: str,
+) -> None:  # fmt: skip
+    """A serving request whose body is read (and, if JSON, parsed): checked,
+    then to a healthy rank. Both listener paths (aiohttp's, proxy.fastlane) end here."""
+    if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
+        rec.model = parsed["model"][:200]
+    strip_auth = bool(app[SETTINGS].api_keys)
+    out = Outbound(method, path, request_headers(headers, request_id, strip_auth), body, request_id)
     kind = generation.KINDS.get(path)
     if kind is not None:
         check_fields(kind, parsed)
@@ -170,15 +181,16 @@ async def proxy_v1(request: web.Request) -> web.StreamResponse:
         # Only ranks serving it take the request and its continuations: a
         # continuation on another model would silently corrupt the answer.
         out.model = model
-        if (served := request.app[TABLE].unknown_model(model)) is not None:
+        if (served := app[TABLE].unknown_model(model)) is not None:
             raise ModelNotFound(model, served)
-    if kind is not None and request.method == "POST":
-        return await generation.forward(request.app[RELAY], request, out, kind, parsed)
-    return await request.app[RELAY].forward(request, out)
+    if kind is not None and method == "POST":
+        await generation.forward(app[RELAY], reply, out, kind, parsed)
+    else:
+        await app[RELAY].forward(reply, out)
 
 
 async def list_models(request: web.Request) -> web.Response:
-    check_api_key(request, request.app[SETTINGS].api_keys)
+    check_api_key(request.headers, request.app[SETTINGS].api_keys)
     # A model list is not a liveness probe: allow more than a status poll.
     timeout = max(1.0, request.app[SETTINGS].timeouts.poll_timeout_s)
     merged = await models.gather(request.app[SESSION], request.app[TABLE], timeout)
@@ -195,7 +207,7 @@ async def metrics(request: web.Request) -> web.Response:
     admin_cfg = request.app[SETTINGS].admin
     token = admin_cfg.token if admin_cfg.metrics_use_admin_token else admin_cfg.metrics_token
     if token is not None:
-        check_api_key(request, [token])
+        check_api_key(request.headers, [token])
     body = request.app[METRICS].render()
     return web.Response(body=body, content_type="text/plain", charset="utf-8")
 

@@ -13,7 +13,7 @@ import json
 from functools import partial
 from typing import Any
 
-from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy import accesslog
 from proxy.continuation import (
@@ -31,15 +31,15 @@ from proxy.errors import UpstreamFailed, error_body
 from proxy.holdopen import Collector, HeldStream
 from proxy.rankclient import BODY_ERRORS, RankResponse
 from proxy.relay import Attempt, Outbound, Relay
-from proxy.sink import ChunkSink
+from proxy.sink import Reply
 from proxy.upstream import response_headers
 
 KINDS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 
 
 async def forward(
-    relay: Relay, request: web.Request, out: Outbound, kind: str, body: dict[str, Any]
-) -> web.StreamResponse:
+    relay: Relay, reply: Reply, out: Outbound, kind: str, body: dict[str, Any]
+) -> None:
     book = Book.for_request(kind, body)
     if (rec := accesslog.current()) is not None:
         rec.tokens = partial(_tokens, book)
@@ -51,28 +51,26 @@ async def forward(
             b',"return_token_ids":true}' if body else b'"return_token_ids":true}'
         )
     respond = _stream if as_bool(body.get("stream")) else _whole
-    return await relay.forward(request, out, partial(respond, relay, out, book, refusal(body)))
+    await relay.forward(reply, out, partial(respond, relay, out, book, refusal(body)))
 
 
 async def _stream(
     relay: Relay, out: Outbound, book: Book, refused: Refusal | None,
-    request: web.Request, attempt: Attempt,
-) -> web.StreamResponse:  # fmt: skip
+    reply: Reply, attempt: Attempt,
+) -> None:  # fmt: skip
     up = attempt.response
     _check_encoding(up)
     if up.status != 200 or up.content_type != "text/event-stream":
-        return await relay.relay(request, attempt)  # errors pass through as they are
-    resp = web.StreamResponse(headers=response_headers(up.header_items()))
-    await resp.prepare(request)
-    await HeldStream(relay, out, book, refused, ChunkSink(request, resp)).run(attempt)
-    await resp.write_eof()
-    return resp
+        return await relay.relay(reply, attempt)  # errors pass through as they are
+    sink = await reply.open_stream(200, response_headers(up.header_items()))
+    await HeldStream(relay, out, book, refused, sink).run(attempt)
+    await reply.close_stream()
 
 
 async def _whole(
     relay: Relay, out: Outbound, book: Book, refused: Refusal | None,
-    request: web.Request, attempt: Attempt,
-) -> web.StreamResponse:  # fmt: skip
+    reply: Reply, attempt: Attempt,
+) -> None:  # fmt: skip
     up = attempt.response
     _check_encoding(up)
     try:
@@ -87,12 +85,13 @@ async def _whole(
             rec.tokens, rec.usage_raw = None, raw  # the answer's own usage counts
         if up.status == 200 and not book.wants_ids:
             raw = hide_ids(raw)
-        return web.Response(body=raw, status=up.status, headers=response_headers(up.header_items()))
+        return await reply.whole(up.status, response_headers(up.header_items()), raw)
     # The client has nothing yet: start over from the prompt (the aborted
     # partial answer is dropped, never kept and then generated again).
     collector = Collector()
     await HeldStream(relay, out, book, refused, collector).run(None)
-    return _assemble(book, collector.events)
+    status, answer = _assemble(book, collector.events)
+    await reply.whole(status, CIMultiDict({"Content-Type": JSON}), answer)
 
 
 def _check_encoding(up: RankResponse) -> None:
@@ -117,23 +116,31 @@ def _json(raw: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _assemble(book: Book, events: list[bytes]) -> web.Response:
-    """One whole answer from the continued stream's events."""
+# As aiohttp's json_response writes them.
+JSON = "application/json; charset=utf-8"
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _assemble(book: Book, events: list[bytes]) -> tuple[int, bytes]:
+    """One whole answer (status, JSON body) from the continued stream's events."""
     text, finish, stop_reason = [], None, None
     for data in events:
         chunk = _json(data)
         if chunk is None:
             continue
         if "error" in chunk:
-            return web.json_response(chunk, status=503)
+            return 503, _dumps(chunk)
         for choice in chunk.get("choices") or []:
             text.append(text_of(choice, book.kind))
             finish = choice.get("finish_reason") or finish
             stop_reason = choice.get("stop_reason") or stop_reason
     if finish is None:
         body = error_body("the answer ended unfinished", "server_error", "stream_aborted")
-        return web.json_response(body, status=503)
-    return web.json_response(_answer(book, "".join(text), finish, stop_reason))
+        return 503, _dumps(body)
+    return 200, _dumps(_answer(book, "".join(text), finish, stop_reason))
 
 
 def _answer(book: Book, text: str, finish: str, stop_reason: Any) -> dict[str, Any]:

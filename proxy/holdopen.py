@@ -22,7 +22,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -37,6 +37,7 @@ from proxy.rankclient import BODY_ERRORS, BadResponse, RankResponse
 from proxy.ranks import UNHEALTHY, Rank, group_fault
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.settings import Hold
+from proxy.sink import Sink
 from proxy.sse import DONE, KEEPALIVE, EventTooLarge, SSEParser, event
 
 if TYPE_CHECKING:
@@ -78,19 +79,6 @@ class StreamFailed(Exception):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class Sink(Protocol):
-    # True: write_now works (events are written from the upstream's data callback).
-    direct: bool
-
-    async def write(self, data: bytes) -> None: ...
-
-    def write_now(self, data: bytes) -> bool:
-        """Write at once; False: drain before writing more."""
-        ...
-
-    async def drain(self) -> None: ...
 
 
 class Collector:

@@ -79,11 +79,11 @@ async def read_json(
     return raw, parse_object(raw)
 
 
-def check_api_key(request: web.Request, keys: list[SecretStr]) -> None:
+def check_api_key(headers: Mapping[str, str], keys: list[SecretStr]) -> None:
     """Require ``Authorization: Bearer <key>`` when API keys are configured."""
     if not keys:
         return
-    given = request.headers.get("Authorization", "")
+    given = headers.get("Authorization", "")
     token = given[7:] if given.startswith("Bearer ") else ""
     # Compare against every key so timing does not reveal which one matched.
     ok = False

@@ -15,7 +15,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy import accesslog
@@ -25,6 +24,7 @@ from proxy.metrics import Metrics
 from proxy.rankclient import BadResponse, RankClient, RankResponse, StaleConnection
 from proxy.ranks import Rank, RankTable
 from proxy.settings import Settings
+from proxy.sink import Reply
 from proxy.target import upstream_url
 from proxy.tracing import Tracing
 from proxy.upstream import response_headers
@@ -60,7 +60,8 @@ class Attempt:
     started: float
 
 
-Respond = Callable[[web.Request, Attempt], Awaitable[web.StreamResponse]]
+# Answers the client from an attempt that got the status line and headers.
+Respond = Callable[[Reply, Attempt], Awaitable[None]]
 
 
 class Relay:
@@ -78,16 +79,14 @@ class Relay:
         self.held = 0  # streams on hold now (limits.max_held_streams)
         self.tracing: Tracing | None = None  # set by the app when tracing is on
 
-    async def forward(
-        self, request: web.Request, out: Outbound, respond: Respond | None = None
-    ) -> web.StreamResponse:
+    async def forward(self, reply: Reply, out: Outbound, respond: Respond | None = None) -> None:
         """Open ``out`` on a healthy rank and answer with ``respond`` (default: relay)."""
         try:
             attempt = await self.open(out)
             rank = attempt.rank
             rank.in_flight += 1
             try:
-                reply = await (respond or self.relay)(request, attempt)
+                await (respond or self.relay)(reply, attempt)
             finally:
                 rank.in_flight -= 1
         finally:
@@ -96,7 +95,6 @@ class Relay:
         m = self.metrics
         m.child(m.requests, rank.name, str(attempt.response.status)).inc()
         m.child(m.latency, rank.name).observe(time.monotonic() - attempt.started)
-        return reply
 
     async def open(self, out: Outbound, queue_s: float | None = None) -> Attempt:
         """Send to a healthy rank; before the first byte, retry on another.
@@ -214,34 +212,29 @@ class Relay:
         if (rec := accesslog.current()) is not None:
             rec.queue_s += seconds
 
-    async def relay(self, request: web.Request, attempt: Attempt) -> web.StreamResponse:
+    async def relay(self, reply: Reply, attempt: Attempt) -> None:
         """Pass the upstream answer on as it is."""
         up = attempt.response
+        headers = response_headers(up.header_items())
         if up.content_type != "text/event-stream":
             try:
                 body = await up.read()
             finally:
                 up.release()
-            return web.Response(
-                body=body, status=up.status, headers=response_headers(up.header_items())
-            )
-        return await self._stream(request, up)
-
-    async def _stream(self, request: web.Request, up: RankResponse) -> web.StreamResponse:
-        resp = web.StreamResponse(status=up.status, headers=response_headers(up.header_items()))
+            await reply.whole(up.status, headers, body)
+            return
         complete = False
         try:
-            await resp.prepare(request)
+            sink = await reply.open_stream(up.status, headers)
             rec = accesslog.current()
             async for chunk in up.chunks():
                 if rec is not None:
                     rec.first_byte()
                     rec = None
-                await resp.write(chunk)
-            await resp.write_eof()
+                await sink.write(chunk)
+            await reply.close_stream()
             complete = True
         finally:
             # Incomplete (client gone, cancelled, error): close, never pool,
             # so the rank sees the disconnect and aborts the request.
             up.release() if complete else up.close()
-        return resp

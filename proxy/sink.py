@@ -1,45 +1,127 @@
-"""Stream bytes to the client as HTTP chunks, straight onto its transport.
+"""Where an answer goes: a :class:`Reply` takes a whole answer or opens a stream.
 
-aiohttp's ``StreamResponse.write`` goes through a chunked writer, three calls
-deep, for every event; a relay does it tens of thousands of times a second.
-:class:`ChunkSink` frames the chunk itself and writes it to the transport in
-one call, waiting only while the transport says the client is not reading
-(backpressure as before). The response must be prepared first; aiohttp still
-writes the headers and, on ``write_eof``, the last chunk.
+Handlers answer through a Reply, not through aiohttp's response objects, so
+one handler serves both listeners' paths: :class:`AioReply` (aiohttp's
+request and response objects) and the fast lane's (``proxy.fastlane``, bytes
+straight onto the connection).
+
+Streams are written to the client as HTTP chunks, straight onto its
+transport. aiohttp's ``StreamResponse.write`` goes through a chunked writer,
+three calls deep, for every event; a relay does it tens of thousands of times
+a second. :class:`ChunkSink` frames the chunk itself and writes it to the
+transport in one call, waiting only while the transport says the client is
+not reading (backpressure as before).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
 from aiohttp import web
+from multidict import CIMultiDict
 
 # What may sit in the transport's buffer before the stream waits for the
 # client to read (aiohttp's own writer waits from 64 KiB).
-_HIGH_WATER = 64 * 1024
+HIGH_WATER = 64 * 1024
+
+
+class Sink(Protocol):
+    """A stream's body, event by event."""
+
+    # True: write_now works (events are written from the upstream's data callback).
+    direct: bool
+
+    async def write(self, data: bytes) -> None: ...
+
+    def write_now(self, data: bytes) -> bool:
+        """Write at once; False: drain before writing more."""
+        ...
+
+    async def drain(self) -> None: ...
+
+
+class Reply(Protocol):
+    """One request's answer: whole, or a stream opened, written and closed."""
+
+    async def whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None: ...
+
+    async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink: ...
+
+    async def close_stream(self) -> None: ...
 
 
 class ChunkSink:
-    def __init__(self, request: web.Request, resp: web.StreamResponse) -> None:
-        assert resp.prepared, "prepare the response first"
-        self.resp, self.request = resp, request
-        # HTTP/1.0 clients, or a body aiohttp frames otherwise: use aiohttp's writer.
-        self.direct = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+    """Chunked framing onto ``transport``; ``drain`` waits while the client is not reading."""
+
+    direct = True
+
+    def __init__(
+        self,
+        transport: Callable[[], asyncio.Transport | None],
+        drain: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._transport, self._drain = transport, drain
 
     async def write(self, data: bytes) -> None:
-        if not self.direct:
-            await self.resp.write(data)
-        elif not self.write_now(data):
+        if not self.write_now(data):
             await self.drain()
 
     def write_now(self, data: bytes) -> bool:
-        """Write at once (``direct`` sinks only). False: the client is not
-        reading; :meth:`drain` before writing more."""
         if not data:
             return True  # a zero-length chunk would end the body
-        transport = self.request.transport
+        transport = self._transport()
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client went away")
         transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        return transport.get_write_buffer_size() <= _HIGH_WATER
+        return transport.get_write_buffer_size() <= HIGH_WATER
 
     async def drain(self) -> None:
-        await self.request.writer.drain()
+        await self._drain()
+
+
+class _WriterSink:
+    """aiohttp's own writer, for an answer it frames otherwise (HTTP/1.0)."""
+
+    direct = False
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self.resp = resp
+
+    async def write(self, data: bytes) -> None:
+        await self.resp.write(data)
+
+    def write_now(self, data: bytes) -> bool:
+        raise RuntimeError("not a direct sink")
+
+    async def drain(self) -> None:
+        pass
+
+
+class AioReply:
+    """The answer through aiohttp: the handler returns :attr:`response`."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        self.response = web.Response(body=body, status=status, headers=headers)
+
+    async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
+        resp = self.response = web.StreamResponse(status=status, headers=headers)
+        await resp.prepare(self.request)
+        # aiohttp wrote the headers; the body is ours to frame unless it is not chunked.
+        if resp.headers.get("Transfer-Encoding", "").lower() != "chunked":
+            return _WriterSink(resp)
+        request = self.request
+        return ChunkSink(lambda: request.transport, request.writer.drain)
+
+    async def close_stream(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
+
+    def answer(self) -> web.StreamResponse:
+        assert self.response is not None, "the handler gave no answer"
+        return self.response

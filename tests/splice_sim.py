@@ -93,9 +93,8 @@ async def through_proxy(
         error = e.code
     data.extend(book.closing())
     if whole:
-        resp = _assemble(book, data)
-        assert resp.body is not None and isinstance(resp.body, bytes)
-        obj = json.loads(resp.body)
+        _, body = _assemble(book, data)
+        obj = json.loads(body)
         ans = Answer(error=error or (obj["error"]["code"] if "error" in obj else None))
         if "choices" in obj:
             c = obj["choices"][0]

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy import generation
+from proxy import sink
 from proxy.rankclient import BadResponse
 from proxy.state import RELAY, TABLE
 from tests.conftest import FAST_POLL_S, metric_when, replicas, settings_for
@@ -275,7 +275,7 @@ async def test_a_failed_write_to_the_client_is_not_an_upstream_fault(
 ) -> None:
     a = await fakes(name="a", token_delay_s=0.02)
     p = await proxy(settings_for([a]))
-    real, writes = generation.ChunkSink.write_now, []
+    real, writes = sink.ChunkSink.write_now, []
 
     def write(self: Any, data: bytes) -> bool:  # every write goes through write_now
         writes.append(data)
@@ -283,7 +283,7 @@ async def test_a_failed_write_to_the_client_is_not_an_upstream_fault(
             raise ConnectionResetError("Cannot write to closing transport")
         return real(self, data)
 
-    monkeypatch.setattr(generation.ChunkSink, "write_now", write)
+    monkeypatch.setattr(sink.ChunkSink, "write_now", write)
     with contextlib.suppress(aiohttp.ClientError):
         async with http.post(p.url + "/v1/completions", json=completion(50, stream=True)) as r:
             await r.read()
