@@ -38,6 +38,7 @@ from proxy.sink import AioReply, Reply
 from proxy.state import (
     ACCESS_LOG,
     CONFIG_PATH,
+    LIMIT,
     METRICS,
     RECOVERY,
     RELAY,
@@ -286,6 +287,7 @@ def build_app(
     settings: Settings, config_path: Path | None = None, coord: Coordination | None = None
 ) -> web.Application:
     draining = drain.Drain()
+    limit = RequestLimit(settings.limits.max_requests)
     traces = tracing.Tracing(settings.tracing) if settings.tracing.enabled else None
     app = web.Application(
         # Drain sits inside the access log (which then logs how a request it
@@ -297,12 +299,13 @@ def build_app(
             draining.middleware,
             errors_middleware,
             target_guard,
-            RequestLimit(settings.limits.max_requests).middleware,
+            limit.middleware,
             admin.admin_auth,
         ],
         client_max_size=settings.limits.max_body_bytes,
     )
     drain.install(app, draining)
+    app[LIMIT] = limit
     app[SETTINGS] = settings
     app.on_response_prepare.append(_mark_prepared)
     access = AccessLog(settings.logging.format) if settings.logging.access_log else None

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -46,10 +46,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CUT_WAIT_S = 2.0
 
 
+class Stream(Protocol):
+    """An answer being streamed (aiohttp's StreamResponse, the fast lane's reply)."""
+
+    @property
+    def prepared(self) -> bool: ...
+
+    async def write(self, data: bytes) -> Any: ...
+
+    async def write_eof(self, data: bytes = b"") -> Any: ...
+
+
 @dataclass(eq=False)
 class InFlight:
     task: asyncio.Task[Any] | None
-    stream: web.StreamResponse | None = None  # a prepared SSE answer
+    stream: Stream | None = None  # a prepared SSE answer
     cut: bool = False
 
 
@@ -74,24 +85,29 @@ class Drain:
             self.draining, self.since = True, time.monotonic()
 
     # -- the request side -----------------------------------------------------
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    def enter(self) -> InFlight:
+        """This task serves a request until :meth:`leave`: wait for it, or cut it."""
         entry = InFlight(asyncio.current_task())
-        request[IN_FLIGHT] = entry
         self._in_flight.add(entry)
         self._idle.clear()
+        return entry
+
+    def leave(self, entry: InFlight) -> None:
+        self._in_flight.discard(entry)
+        if not self._in_flight:
+            self._idle.set()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        entry = request[IN_FLIGHT] = self.enter()
         try:
             resp = await handler(request)
         except asyncio.CancelledError:
             if not entry.cut:
                 raise  # the client went away, or the runner is cancelling
-            if entry.task is not None:
-                entry.task.uncancel()
-            resp = await _end(entry)
+            resp = await end_cut(entry) or _stream_of(entry)
         finally:
-            self._in_flight.discard(entry)
-            if not self._in_flight:
-                self._idle.set()
+            self.leave(entry)
         if self.draining and not resp.prepared:
             resp.force_close()
         return resp
@@ -130,7 +146,16 @@ class Drain:
         return len(left)
 
 
-async def _end(entry: InFlight) -> web.StreamResponse:
+def _stream_of(entry: InFlight) -> web.StreamResponse:
+    assert isinstance(entry.stream, web.StreamResponse)  # set by on_prepare
+    return entry.stream
+
+
+async def end_cut(entry: InFlight) -> web.Response | None:
+    """End a request :meth:`Drain.cut` cancelled: its stream gets an error
+    event and its end (None), or, with nothing sent yet, a 503 to send."""
+    if entry.task is not None:
+        entry.task.uncancel()
     message = "the proxy is shutting down; the answer was ended before it was complete"
     rec = accesslog.current()
     if rec is not None:
@@ -144,7 +169,7 @@ async def _end(entry: InFlight) -> web.StreamResponse:
     with contextlib.suppress(ConnectionError, RuntimeError):
         await resp.write(b"\n\n" + event(body) + event(DONE))
         await resp.write_eof()
-    return resp
+    return None
 
 
 async def ready(request: web.Request) -> web.Response:

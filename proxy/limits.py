@@ -31,14 +31,21 @@ class RequestLimit:
         self.limit = limit
         self.in_flight = 0
 
+    def admit(self) -> None:
+        """Count one more request in flight, or raise Overloaded; :meth:`release` after."""
+        if self.in_flight >= self.limit:
+            raise Overloaded(f"the proxy is at its limit of {self.limit} requests; retry")
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in _EXEMPT:
             return await handler(request)
-        if self.in_flight >= self.limit:
-            raise Overloaded(f"the proxy is at its limit of {self.limit} requests; retry")
-        self.in_flight += 1
+        self.admit()
         try:
             return await handler(request)
         finally:
-            self.in_flight -= 1
+            self.release()

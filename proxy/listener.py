@@ -38,11 +38,15 @@ from aiohttp.web_protocol import RequestHandler, _RequestFactory
 from aiohttp.web_request import BaseRequest
 
 from proxy.errors import error_body
+from proxy.fastlane import Lane, Request
 from proxy.settings import Limits
 
 log = logging.getLogger("ftproxy.listener")
 
 _MAX_MESSAGE = 200  # the parser's message can quote the client's bytes
+# Bytes kept while the fast lane answers a request, before the socket stops
+# being read (a client pipelining more than this waits).
+_MAX_PENDING = 1 << 20
 
 
 def raw_answer(status: int, text: str, code: str, retry_after_s: int | None = None) -> bytes:
@@ -59,8 +63,15 @@ def raw_answer(status: int, text: str, code: str, retry_after_s: int | None = No
 
 class OpenAIErrorsHandler(RequestHandler):
     limits: Limits
+    lane: Lane | None = None  # the app's fast lane (proxy.fastlane), if on
     _header_timer: asyncio.TimerHandle | None = None
     _between_requests = False
+    # The fast lane's state on this connection: off for good once aiohttp's
+    # parser has seen a byte; the request it answers now; bytes that came
+    # meanwhile (a pipelined request), taken when it is done.
+    _lane_off = False
+    _lane_task: asyncio.Task[None] | None = None
+    _lane_pending = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -74,6 +85,8 @@ class OpenAIErrorsHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm_header_timer()
+        if self._lane_task is not None:  # as aiohttp's handler_cancellation does
+            self._lane_task.cancel()
         super().connection_lost(exc)
 
     def request_started(self) -> None:
@@ -92,10 +105,57 @@ class OpenAIErrorsHandler(RequestHandler):
         return result
 
     def data_received(self, data: bytes) -> None:
+        if self._lane_task is not None:
+            self._lane_pending += data
+            if len(self._lane_pending) > _MAX_PENDING and self.transport is not None:
+                self.transport.pause_reading()  # resumed when the answer is done
+            return
         if self._between_requests:
             self._between_requests = False
             self._arm_header_timer()
+        if self.lane is not None and not self._lane_off:
+            taken = self.lane.parse(data)
+            if taken is not None:
+                self._lane_start(*taken)
+                return
+            self._lane_off = True
         super().data_received(data)
+
+    # -- the fast lane ----------------------------------------------------------
+    def _lane_start(self, request: Request, rest: bytes) -> None:
+        self._disarm_header_timer()
+        # aiohttp's idle timer would close a connection it thinks is idle.
+        if self._keepalive_handle is not None:
+            self._keepalive_handle.cancel()
+            self._keepalive_handle = None
+        self._lane_pending = rest
+        self._lane_task = self._loop.create_task(self._lane_serve(request))
+
+    async def _lane_serve(self, request: Request) -> None:
+        assert self.lane is not None
+        keep_alive = False
+        try:
+            keep_alive = await self.lane.serve(self, request)
+        except (asyncio.CancelledError, ConnectionError):
+            pass  # the client left; the access log says so
+        except Exception:
+            log.exception("fast lane: unexpected error")
+        finally:
+            self._lane_task = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not keep_alive:
+            transport.close()
+            return
+        self._between_requests = True
+        self._keepalive_handle = self._loop.call_later(self._keepalive_timeout,
+                                                       self._process_keepalive)  # fmt: skip
+        self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
+        pending, self._lane_pending = self._lane_pending, b""
+        transport.resume_reading()
+        if pending:
+            self.data_received(pending)
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()
@@ -149,10 +209,11 @@ class OpenAIErrorsHandler(RequestHandler):
 
 class OpenAIErrorsServer(web.Server):
     limits: Limits
+    lane: Lane | None = None
 
     def __call__(self) -> RequestHandler:
         handler = OpenAIErrorsHandler(self, loop=self._loop, **self._kwargs)
-        handler.limits = self.limits
+        handler.limits, handler.lane = self.limits, self.lane
         return handler
 
 
@@ -192,6 +253,7 @@ class Runner(web.AppRunner):
         server.__class__ = OpenAIErrorsServer
         assert isinstance(server, OpenAIErrorsServer)
         server.limits = self.limits
+        server.lane = Lane.for_app(self.app)
         server.request_factory = _tell_handler(server.request_factory)
         return server
 

@@ -8,6 +8,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.accesslog import AccessLog
+from proxy.limits import RequestLimit
 from proxy.metrics import Metrics
 from proxy.ranks import RankTable
 from proxy.recovery import Recovery
@@ -26,4 +27,5 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 RELAY = web.AppKey("relay", Relay)
 RECOVERY = web.AppKey("recovery", Recovery)
 CONFIG_PATH = web.AppKey("config_path", Path)
+LIMIT = web.AppKey("limit", RequestLimit)
 REQUEST_ID = web.RequestKey("request_id", str)

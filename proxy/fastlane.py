@@ -1,0 +1,330 @@
+"""The fast lane: completions and chat answered straight off the connection.
+
+Most of a relay's requests are one shape: ``POST /v1/completions`` (or chat)
+over HTTP/1.1 with a small JSON body that arrives with its headers. For them,
+aiohttp's request machinery (a request object, a payload stream, the router,
+seven middlewares, a response object and its writer) costs more CPU than the
+relaying. The listener's connection handler (:mod:`proxy.listener`) offers
+each read to :meth:`Lane.parse` first; a request of that shape is answered
+here, by the same checks and handlers as aiohttp's path
+(:func:`proxy.app.forward_v1`), through the same access log, drain, request
+limit and error answers. Anything else (another route or method, a body in
+more than one read, chunked or compressed bodies, ``Expect``, upgrades,
+HTTP/1.0, tracing on) goes to aiohttp, and the connection stays aiohttp's
+from then on: a parser that has seen part of a request cannot be shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import os
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Protocol
+
+import httptools
+from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
+from multidict import CIMultiDict
+
+from proxy import accesslog, drain, generation
+from proxy.accesslog import AccessRecord, End
+from proxy.app import forward_v1
+from proxy.errors import ProxyError, error_response
+from proxy.fields import parse_object
+from proxy.inbound import check_api_key, client_request_id
+from proxy.sink import ChunkSink, Sink
+from proxy.state import ACCESS_LOG, LIMIT, METRICS, SETTINGS, TRACING
+from proxy.target import parse_forward
+
+log = logging.getLogger("ftproxy.fastlane")
+
+# Heads larger than aiohttp's line limit, or with more headers than a client
+# plausibly sends, are aiohttp's to judge (and refuse).
+_MAX_HEAD = 8190
+_MAX_HEADERS = 64
+# Headers whose requests the fast lane leaves to aiohttp (lower case).
+_AIOHTTP_ONLY = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"})
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+
+
+class Connection(Protocol):
+    """What the lane needs of the client connection (proxy.listener's handler)."""
+
+    transport: asyncio.Transport | None
+
+    async def _drain_helper(self) -> None: ...
+
+
+@dataclass
+class Request:
+    path: str
+    headers: CIMultiDict[str]
+    body: bytes
+    keep_alive: bool
+
+
+class _Head:
+    """httptools callbacks for one request."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpRequestParser(self)
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self.complete = False
+        self.body: list[bytes] = []
+
+    def on_headers_complete(self) -> None:
+        # Read here: once the message is complete the parser starts the next.
+        self.keep_alive = self.parser.should_keep_alive()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+class Lane:
+    """One app's fast lane: which requests it takes, and how it answers them."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        settings = app[SETTINGS]
+        self.settings, self.metrics = settings, app[METRICS]
+        self.access, self.limit, self.drain = app[ACCESS_LOG], app[LIMIT], app[drain.DRAIN]
+        self.max_body = settings.limits.max_body_bytes
+        self.served = 0  # requests the lane answered (tests read it)
+        # The request lines taken, e.g. b"POST /v1/completions HTTP/1.1\r\n" -> path.
+        self.lines: dict[bytes, str] = {}
+        for entry in settings.routing.forward:
+            method, path = parse_forward(entry)
+            if method == "POST" and path in generation.KINDS:
+                self.lines[f"POST {path} HTTP/1.1\r\n".encode()] = path
+
+    @classmethod
+    def for_app(cls, app: web.Application) -> Lane | None:
+        """The app's lane, or None when every request must take aiohttp's path."""
+        if not app[SETTINGS].listen.fast_lane or app[TRACING] is not None:
+            return None  # spans come from the tracing middleware
+        lane = cls(app)
+        return lane if lane.lines else None
+
+    # -- which requests ------------------------------------------------------
+    def parse(self, buf: bytes) -> tuple[Request, bytes] | None:
+        """A whole request of the lane's shape at the start of ``buf``, and
+        the bytes after it; None: not one, aiohttp's to parse."""
+        line_end = buf.find(b"\r\n", 0, 128)
+        path = self.lines.get(buf[: line_end + 2]) if line_end > 0 else None
+        head_end = buf.find(b"\r\n\r\n", 0, _MAX_HEAD) if path is not None else -1
+        if path is None or head_end < 0:
+            return None
+        head = _Head()
+        parser = head.parser
+        try:
+            parser.feed_data(buf[: head_end + 4])
+        except httptools.HttpParserError:
+            return None  # aiohttp refuses it with its own words
+        length = _content_length(head.headers)
+        end = head_end + 4 + (length or 0)
+        if length is None or length > self.max_body or len(buf) < end:
+            return None
+        try:
+            parser.feed_data(buf[head_end + 4 : end])
+        except httptools.HttpParserError:
+            return None
+        if not head.complete:
+            return None
+        headers = CIMultiDict(
+            (n.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for n, v in head.headers
+        )
+        if headers.get("Content-Type", "").split(";", 1)[0].strip().lower() != "application/json":
+            return None  # aiohttp's path parses the type and refuses others
+        body = b"".join(head.body)
+        return Request(path, headers, body, head.keep_alive), buf[end:]
+
+    # -- answering -----------------------------------------------------------
+    async def serve(self, conn: Connection, req: Request) -> bool:
+        """Answer ``req`` as the middlewares and ``proxy_v1`` would; True if
+        the connection may carry another request."""
+        self.served += 1
+        request_id = client_request_id(req.headers) or f"ftp-{os.urandom(8).hex()}"
+        reply = LaneReply(conn, self.drain, request_id, req.keep_alive)
+        rec = AccessRecord(request_id, "POST", req.path) if self.access is not None else None
+        token = accesslog.CURRENT.set(rec) if rec is not None else None
+        id_token = accesslog.REQUEST_ID.set(request_id) if rec is None else None
+        try:
+            await self._in_flight(req, reply, request_id)
+            if rec is not None:
+                rec.status = reply.status
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.client_disconnects.inc()
+            if rec is not None:  # 499: nginx's "client closed request"
+                rec.status, rec.end = 499, End.CLIENT_LEFT
+            raise
+        except BaseException:
+            if rec is not None:
+                rec.status, rec.end = 500, End.ERROR
+            raise
+        finally:
+            if rec is not None and self.access is not None:
+                if rec.end is None:
+                    rec.end = accesslog.end_for(rec.status)
+                self.access.write(rec)
+            if token is not None:
+                accesslog.CURRENT.reset(token)
+            if id_token is not None:
+                accesslog.REQUEST_ID.reset(id_token)
+        return reply.keep_alive
+
+    async def _in_flight(self, req: Request, reply: LaneReply, request_id: str) -> None:
+        """The drain's part: a request it cuts at shutdown still ends well."""
+        entry = self.drain.enter()
+        reply.entry = entry
+        try:
+            await self._answered(req, reply, request_id)
+        except asyncio.CancelledError:
+            if not entry.cut:
+                raise
+            if (resp := await drain.end_cut(entry)) is not None:
+                await reply.send(resp)
+        finally:
+            self.drain.leave(entry)
+
+    async def _answered(self, req: Request, reply: LaneReply, request_id: str) -> None:
+        """The error middleware's part: every error is an OpenAI-shaped answer."""
+        try:
+            self.limit.admit()
+            try:
+                await self._forward(req, reply, request_id)
+            finally:
+                self.limit.release()
+        except ProxyError as err:
+            log.info("[%s] POST %s -> %d %s", request_id, req.path, err.status, err.message)
+            accesslog.refused(self.metrics, err)
+            await reply.send(error_response(err), close=err.close_connection)
+        except ConnectionResetError:
+            raise
+        except Exception:
+            log.exception("[%s] POST %s -> 500 internal error", request_id, req.path)
+            self.metrics.internal_errors.inc()
+            if reply.prepared:  # the answer has begun: cut it so the client sees it
+                reply.abort()
+                return
+            bug = ProxyError("internal error; see the proxy log for this request id")
+            await reply.send(error_response(bug))
+
+    async def _forward(self, req: Request, reply: LaneReply, request_id: str) -> None:
+        """``proxy_v1``'s part: the key, the body, then the shared checks and relay."""
+        check_api_key(req.headers, self.settings.api_keys)
+        parsed = parse_object(req.body)
+        await forward_v1(self.app, reply, "POST", req.path, req.headers, req.body, parsed,
+                         request_id)  # fmt: skip
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The one Content-Length, if the head is one the lane takes; else None."""
+    if len(headers) > _MAX_HEADERS:
+        return None
+    found: int | None = None
+    for name, value in headers:
+        lower = name.lower()
+        if lower == b"content-length":
+            if found is not None or not value.isdigit() or len(value) > 12:
+                return None
+            found = int(value)
+        elif lower in _AIOHTTP_ONLY or (lower == b"connection" and b"upgrade" in value.lower()):
+            return None
+    return found
+
+
+# -- the answer ----------------------------------------------------------------
+_date_cache: tuple[int, str] = (0, "")
+
+
+def _date() -> str:
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, email.utils.formatdate(now, usegmt=True))
+    return _date_cache[1]
+
+
+class LaneReply:
+    """An answer written straight to the connection, as aiohttp would write it."""
+
+    def __init__(
+        self, conn: Connection, drain_: drain.Drain, request_id: str, keep_alive: bool
+    ) -> None:
+        self.conn, self.drain, self.request_id = conn, drain_, request_id
+        self.keep_alive = keep_alive
+        self.status = 0
+        self.prepared = False  # the head is written
+        self.entry: drain.InFlight | None = None
+
+    def _write(self, data: bytes) -> None:
+        transport = self.conn.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        transport.write(data)
+
+    def _head(self, status: int, headers: CIMultiDict[str], framing: str) -> bytes:
+        self.status, self.prepared = status, True
+        if self.drain.draining:
+            self.keep_alive = False  # kept-alive clients reconnect elsewhere
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"]
+        lines.extend(f"{k}: {v}\r\n" for k, v in headers.items())
+        if "Date" not in headers:
+            lines.append(f"Date: {_date()}\r\n")
+        if "Server" not in headers:
+            lines.append(f"Server: {SERVER_SOFTWARE}\r\n")
+        if not self.keep_alive:
+            lines.append("Connection: close\r\n")
+        lines.append(framing)
+        return "".join(lines).encode("utf-8", "surrogateescape")
+
+    # -- proxy.sink.Reply ------------------------------------------------------
+    async def whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        headers["X-Request-Id"] = self.request_id
+        if (rec := accesslog.current()) is not None:
+            rec.first_byte()  # a whole answer: out now
+        self._write(self._head(status, headers, f"Content-Length: {len(body)}\r\n\r\n") + body)
+
+    async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
+        self._write(self._head(status, headers, "Transfer-Encoding: chunked\r\n\r\n"))
+        if self.entry is not None:
+            self.entry.stream = self  # ended with an error event if the drain cuts it
+        conn = self.conn
+        return ChunkSink(lambda: conn.transport, conn._drain_helper)
+
+    async def close_stream(self) -> None:
+        self._write(b"0\r\n\r\n")
+
+    # -- proxy.drain.Stream ----------------------------------------------------
+    async def write(self, data: bytes) -> None:
+        self._write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if data:
+            await self.write(data)
+        await self.close_stream()
+
+    # -- the lane's own answers -------------------------------------------------
+    async def send(self, resp: web.Response, close: bool = False) -> None:
+        """An answer made as an aiohttp Response (the error answers)."""
+        if close:
+            self.keep_alive = False
+        body = resp.body
+        assert isinstance(body, bytes)
+        await self.whole(resp.status, CIMultiDict(resp.headers), body)
+
+    def abort(self) -> None:
+        self.keep_alive = False
+        if self.conn.transport is not None:
+            self.conn.transport.abort()
