@@ -45,10 +45,13 @@ log = logging.getLogger("ftproxy.fastlane")
 # Heads larger than aiohttp's line limit, or with more headers than a client
 # plausibly sends, are aiohttp's to judge (and refuse).
 _MAX_HEAD = 8190
+_MAX_LINE = 128  # the lane's request lines are shorter
 _MAX_HEADERS = 64
 # Headers whose requests the fast lane leaves to aiohttp (lower case).
 _AIOHTTP_ONLY = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"})
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+# HttpParserUpgrade is not an HttpParserError.
+_PARSE_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)
 
 
 class Connection(Protocol):
@@ -117,37 +120,44 @@ class Lane:
         return lane if lane.lines else None
 
     # -- which requests ------------------------------------------------------
-    def parse(self, buf: bytes) -> tuple[Request, bytes] | None:
+    def parse(self, buf: bytes) -> tuple[Request, bytes] | int | None:
         """A whole request of the lane's shape at the start of ``buf``, and
-        the bytes after it; None: not one, aiohttp's to parse."""
-        line_end = buf.find(b"\r\n", 0, 128)
-        path = self.lines.get(buf[: line_end + 2]) if line_end > 0 else None
-        head_end = buf.find(b"\r\n\r\n", 0, _MAX_HEAD) if path is not None else -1
-        if path is None or head_end < 0:
+        the bytes after it; an int: one so far, read on (0: its head is still
+        coming; n: its headers are in, it is n bytes in all); None: not one,
+        aiohttp's to parse."""
+        line_end = buf.find(b"\r\n", 0, _MAX_LINE)
+        if line_end < 0:  # the request line is still coming: may it be ours?
+            short = len(buf) < _MAX_LINE and any(line.startswith(buf) for line in self.lines)
+            return 0 if short else None
+        path = self.lines.get(buf[: line_end + 2])
+        if path is None:
             return None
+        head_end = buf.find(b"\r\n\r\n", line_end, _MAX_HEAD)
+        if head_end < 0:
+            return 0 if len(buf) < _MAX_HEAD else None
         head = _Head()
-        parser = head.parser
         try:
-            parser.feed_data(buf[: head_end + 4])
-        except httptools.HttpParserError:
-            return None  # aiohttp refuses it with its own words
+            head.parser.feed_data(buf[: head_end + 4])
+        except _PARSE_ERRORS:
+            return None  # aiohttp answers it (a refusal in its own words, an upgrade)
         length = _content_length(head.headers)
-        end = head_end + 4 + (length or 0)
-        if length is None or length > self.max_body or len(buf) < end:
-            return None
-        try:
-            parser.feed_data(buf[head_end + 4 : end])
-        except httptools.HttpParserError:
-            return None
-        if not head.complete:
+        if length is None or length > self.max_body:
             return None
         headers = CIMultiDict(
             (n.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for n, v in head.headers
         )
         if headers.get("Content-Type", "").split(";", 1)[0].strip().lower() != "application/json":
             return None  # aiohttp's path parses the type and refuses others
-        body = b"".join(head.body)
-        return Request(path, headers, body, head.keep_alive), buf[end:]
+        end = head_end + 4 + length
+        if len(buf) < end:
+            return end
+        try:
+            head.parser.feed_data(buf[head_end + 4 : end])
+        except _PARSE_ERRORS:
+            return None
+        if not head.complete:
+            return None
+        return Request(path, headers, b"".join(head.body), head.keep_alive), buf[end:]
 
     # -- answering -----------------------------------------------------------
     async def serve(self, conn: Connection, req: Request) -> bool:

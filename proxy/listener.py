@@ -72,8 +72,15 @@ class OpenAIErrorsHandler(RequestHandler):
     _lane_off = False
     _lane_task: asyncio.Task[None] | None = None
     _lane_pending = b""
+    # A request of the lane's shape, not all in yet: its bytes, their size,
+    # and the size it will have once its body is in (0: its head is coming).
+    _lane_parts: list[bytes]
+    _lane_have = 0
+    _lane_need = 0
+    _body_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._lane_parts = []
         super().connection_made(transport)
         server = self._manager
         if server is not None and len(server.connections) > self.limits.max_connections:
@@ -85,6 +92,7 @@ class OpenAIErrorsHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm_header_timer()
+        self._disarm_body_timer()
         if self._lane_task is not None:  # as aiohttp's handler_cancellation does
             self._lane_task.cancel()
         super().connection_lost(exc)
@@ -113,17 +121,52 @@ class OpenAIErrorsHandler(RequestHandler):
         if self._between_requests:
             self._between_requests = False
             self._arm_header_timer()
-        if self.lane is not None and not self._lane_off:
-            taken = self.lane.parse(data)
-            if taken is not None:
-                self._lane_start(*taken)
+        if self.lane is not None and not self._lane_off and not (self._force_close or self._close):
+            if not self._lane_feed(self.lane, data):
                 return
-            self._lane_off = True
+            data, self._lane_parts, self._lane_have = b"".join(self._lane_parts), [], 0
         super().data_received(data)
 
     # -- the fast lane ----------------------------------------------------------
+    def _lane_feed(self, lane: Lane, data: bytes) -> bool:
+        """Offer the bytes to the lane; True: not its request, aiohttp's parser
+        takes everything since the request's start (kept in _lane_parts)."""
+        self._lane_parts.append(data)
+        self._lane_have += len(data)
+        if self._lane_have < self._lane_need:
+            return False  # a body still coming: nothing to parse again
+        buf = b"".join(self._lane_parts) if len(self._lane_parts) > 1 else data
+        taken = lane.parse(buf)
+        if taken is None:
+            self._lane_off = True
+            self._lane_need = 0
+            self._disarm_body_timer()
+            return True
+        if isinstance(taken, tuple):
+            self._lane_parts, self._lane_have, self._lane_need = [], 0, 0
+            self._lane_start(*taken)
+            return False
+        self._lane_parts = [buf]  # ours so far: read on
+        if taken and self._body_timer is None:
+            self._lane_need = taken
+            self._disarm_header_timer()  # the headers are in
+            self._body_timer = self._loop.call_later(self.limits.body_timeout_s,
+                                                     self._body_timeout)  # fmt: skip
+        return False
+
+    def _body_timeout(self) -> None:
+        self._body_timer = None
+        text = f"request body not received within {self.limits.body_timeout_s:g}s"
+        self._refuse(raw_answer(408, text, "request_timeout"))
+
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
     def _lane_start(self, request: Request, rest: bytes) -> None:
         self._disarm_header_timer()
+        self._disarm_body_timer()
         # aiohttp's idle timer would close a connection it thinks is idle.
         if self._keepalive_handle is not None:
             self._keepalive_handle.cancel()

@@ -18,7 +18,8 @@ from proxy.app import build_app
 from proxy.coordination import Coordination
 from proxy.drain import DRAIN, Drain, graceful_stop
 from proxy.errors import ProxyError
-from proxy.listener import Runner, TLSSite, TLSSockSite
+from proxy.fastlane import Lane
+from proxy.listener import OpenAIErrorsServer, Runner, TLSSite, TLSSockSite
 from proxy.settings import Settings
 from proxy.state import SETTINGS
 
@@ -46,6 +47,12 @@ class Running:
             self.stopped = True
             self._cancel_tasks()
             await graceful_stop(self.runner, self.drain, self.app[SETTINGS].shutdown)
+
+    @property
+    def lane(self) -> Lane | None:
+        """The fast lane (proxy.fastlane), if on."""
+        server = self.runner.server
+        return server.lane if isinstance(server, OpenAIErrorsServer) else None
 
     @property
     def url(self) -> str:
