@@ -28,6 +28,7 @@ from typing import Protocol
 import httptools
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.http_parser import SINGLETON_HEADERS
 from multidict import CIMultiDict
 
 from proxy import accesslog, drain, generation
@@ -48,7 +49,10 @@ _MAX_HEAD = 8190
 _MAX_LINE = 128  # the lane's request lines are shorter
 _MAX_HEADERS = 64
 # Headers whose requests the fast lane leaves to aiohttp (lower case).
-_AIOHTTP_ONLY = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"})
+_AIOHTTP_ONLY = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"content-encoding",
+                           b"sec-websocket-key1"})  # fmt: skip
+# Headers aiohttp's parser refuses to see twice in a request (lower case).
+_SINGLETONS = frozenset(h.encode() for h in SINGLETON_HEADERS)
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 # HttpParserUpgrade is not an HttpParserError.
 _PARSE_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)
@@ -143,8 +147,11 @@ class Lane:
         length = _content_length(head.headers)
         if length is None or length > self.max_body:
             return None
+        # Values as aiohttp's parser gives them: llhttp drops the whitespace
+        # before a value, aiohttp the whitespace after it.
         headers = CIMultiDict(
-            (n.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for n, v in head.headers
+            (n.decode("latin-1"), v.rstrip(b" \t").decode("utf-8", "surrogateescape"))
+            for n, v in head.headers
         )
         if headers.get("Content-Type", "").split(";", 1)[0].strip().lower() != "application/json":
             return None  # aiohttp's path parses the type and refuses others
@@ -239,19 +246,28 @@ class Lane:
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    """The one Content-Length, if the head is one the lane takes; else None."""
+    """The one Content-Length, if the head is one the lane takes; else None.
+
+    Beyond llhttp, aiohttp's parser refuses an HTTP/1.1 request without
+    ``Host``, a repeated singleton header (``Host``, ``Content-Type``, ...)
+    and ``Sec-WebSocket-Key1``: such heads are aiohttp's to refuse."""
     if len(headers) > _MAX_HEADERS:
         return None
     found: int | None = None
+    seen: set[bytes] = set()
     for name, value in headers:
         lower = name.lower()
+        if lower in _SINGLETONS:
+            if lower in seen:
+                return None
+            seen.add(lower)
         if lower == b"content-length":
-            if found is not None or not value.isdigit() or len(value) > 12:
+            if not value.isdigit() or len(value) > 12:
                 return None
             found = int(value)
         elif lower in _AIOHTTP_ONLY or (lower == b"connection" and b"upgrade" in value.lower()):
             return None
-    return found
+    return found if b"host" in seen else None
 
 
 # -- the answer ----------------------------------------------------------------

@@ -241,7 +241,8 @@ def test_the_lane_takes_only_what_a_strict_parser_reads_the_same(
     is not all in yet."""
     lane = _lane()
     length = len(body) if declared is None else declared
-    headers = [("Content-Type", "application/json"), ("Content-Length", str(length)), *extra]
+    headers = [("Host", "proxy"), ("Content-Type", "application/json"),
+               ("Content-Length", str(length)), *extra]  # fmt: skip
     raw = b"POST /v1/completions HTTP/1.1\r\n"
     raw += b"".join(f"{n}: {v}\r\n".encode("latin-1", "replace") for n, v in headers)
     raw = (raw + b"\r\n" + body + tail)[:cut]

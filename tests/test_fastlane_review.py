@@ -1,0 +1,304 @@
+"""The fast lane against aiohttp's own parser and lifecycle, where they could part.
+
+tests/test_fastlane compares answers; these hold the lane to what aiohttp's
+parser (llhttp plus aiohttp's own checks on top) reads from the same bytes,
+and to aiohttp's path at the edges of a request's life: timeouts, keep-alive,
+backpressure, clients that leave, shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+from typing import Any
+
+import pytest
+from aiohttp import http_parser
+from aiohttp.http_exceptions import HttpProcessingError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.server import Running
+from proxy.state import ACCESS_LOG
+from tests.conftest import settings_for
+from tests.test_fastlane import BODY, STREAM, _lane, both, exchange, head, pair  # noqa: F401
+
+JSON_LOGS = {"access_log": True, "format": "json"}
+
+
+# -- what aiohttp reads from the same bytes -------------------------------------
+class _Proto:
+    """Just enough of a protocol for aiohttp's request parser."""
+
+    transport = None
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+def aiohttp_reads(raw: bytes) -> list[tuple[Any, bytes | None]] | None:
+    """The messages (and their complete bodies) aiohttp's parser reads from
+    ``raw``, or None if it refuses them."""
+    loop = asyncio.new_event_loop()
+    try:
+        parser = http_parser.HttpRequestParser(
+            _Proto(), loop, 2**16, max_line_size=8190, max_field_size=8190, max_headers=128
+        )
+        try:
+            messages, upgraded, _ = parser.feed_data(raw)
+        except HttpProcessingError:
+            return None
+        if upgraded:
+            return None
+        out: list[tuple[Any, bytes | None]] = []
+        for msg, payload in messages:
+            body = b"".join(getattr(payload, "_buffer", ())) if payload.is_eof() else None
+            out.append((msg, body))
+        return out
+    finally:
+        loop.close()
+
+
+_NAMES = st.sampled_from(["Host", "Content-Type", "Content-Length", "Connection", "User-Agent",
+                          "X-Request-Id", "Authorization", "Sec-WebSocket-Key1", "Server",
+                          "Max-Forwards", "ETag", "Content-Location", "Content-Range"])  # fmt: skip
+_VALUES = st.one_of(
+    st.sampled_from(["application/json", "close", "keep-alive", "h", "7", "x ", "a\t",
+                     "Bearer k  ", "application/json \t"]),
+    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=8),
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    host=st.booleans(),
+    extra=st.lists(st.tuples(_NAMES, _VALUES), max_size=4),
+    body=st.binary(max_size=20),
+)
+def test_the_lane_takes_only_what_aiohttp_reads_the_same(host, extra, body) -> None:
+    """A request the lane takes is one aiohttp's parser takes too, read the
+    same: headers (values as aiohttp trims them), body, keep-alive."""
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    headers = [("Host", "proxy"), *headers] if host else headers
+    raw = b"POST /v1/completions HTTP/1.1\r\n"
+    raw += b"".join(f"{n}: {v}\r\n".encode() for n, v in [*headers, *extra])
+    raw += b"\r\n" + body
+    taken = _lane().parse(raw)
+    if not isinstance(taken, tuple):
+        return
+    req, rest = taken
+    assert rest == b""
+    read = aiohttp_reads(raw)
+    assert read is not None, "the lane took a request aiohttp refuses"
+    ((msg, aio_body),) = read
+    assert aio_body == req.body
+    assert msg.should_close == (not req.keep_alive)
+    assert [(k.lower(), v) for k, v in msg.headers.items()] == [
+        (k.lower(), v) for k, v in req.headers.items()
+    ]
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ["Content-Type: application/json", "Content-Length: 7"],  # no Host
+        ["Host: a", "Host: b", "Content-Type: application/json", "Content-Length: 7"],
+        ["Host: a", "Content-Type: application/json", "Content-Type: text/plain",
+         "Content-Length: 7"],
+        ["Host: a", "User-Agent: x", "User-Agent: y", "Content-Type: application/json",
+         "Content-Length: 7"],
+        ["Host: a", "Sec-WebSocket-Key1: x", "Content-Type: application/json",
+         "Content-Length: 7"],
+    ],
+)  # fmt: skip
+def test_heads_aiohttp_refuses_are_not_the_lanes(lines) -> None:
+    raw = ("POST /v1/completions HTTP/1.1\r\n" + "".join(f"{h}\r\n" for h in lines)).encode()
+    raw += b'\r\n{"a":1}'
+    assert aiohttp_reads(raw) is None
+    assert _lane().parse(raw) is None
+
+
+@pytest.fixture
+async def keyed_pair(fakes, proxy) -> tuple[Running, Running]:
+    rank = await fakes(name="a")
+    on = await proxy(settings_for([rank], api_keys=["k-1"]))
+    off_settings = settings_for([rank], api_keys=["k-1"])
+    off_settings.listen.fast_lane = False
+    off = await proxy(off_settings)
+    return on, off
+
+
+async def test_header_values_are_trimmed_as_aiohttp_trims_them(keyed_pair) -> None:
+    """aiohttp drops the whitespace after a value: a key or request id with
+    a trailing space is the same key, the same id, on both paths."""
+    raw = head(BODY, "Authorization: Bearer k-1 ", "X-Request-Id: mine-7\t") + BODY
+    (answer,) = await both(keyed_pair, raw)
+    assert answer.status == 200, answer.body
+    assert answer.headers["x-request-id"] == "mine-7"
+
+
+@pytest.mark.parametrize(
+    "extra", [("Host: a",), ("Content-Type: text/plain",), ("User-Agent: a", "User-Agent: b")]
+)
+async def test_a_refused_head_is_answered_as_aiohttp_does(pair, extra) -> None:
+    on, _ = pair
+    raw = head(BODY, *extra) + BODY  # head() already has a Host and a Content-Type
+    (answer,) = await both(pair, raw)
+    assert answer.status == 400
+    assert on.lane is not None and on.lane.served == 0
+
+
+# -- lifecycle --------------------------------------------------------------------
+async def _pair_with(fakes, proxy, **extra: Any) -> tuple[Running, Running, Any]:
+    rank = await fakes(name="a", token_delay_s=0.02)
+    on = await proxy(settings_for([rank], **extra))
+    off_settings = settings_for([rank], **extra)
+    off_settings.listen.fast_lane = False
+    off = await proxy(off_settings)
+    return on, off, rank
+
+
+def capture(p: Running) -> io.StringIO:
+    out = io.StringIO()
+    access = p.app[ACCESS_LOG]
+    assert access is not None
+    access.stream = out
+    return out
+
+
+async def access_lines(out: io.StringIO, n: int) -> list[dict[str, Any]]:
+    for _ in range(100):
+        got = [json.loads(line) for line in out.getvalue().splitlines()]
+        if len(got) >= n:
+            await asyncio.sleep(0.1)  # and no more
+            return [json.loads(line) for line in out.getvalue().splitlines()]
+        await asyncio.sleep(0.02)
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def _stable(line: dict[str, Any]) -> dict[str, Any]:
+    return {k: line.get(k) for k in ("method", "path", "status", "end", "model")}
+
+
+async def test_a_body_timeout_is_logged_as_on_aiohttps_path(fakes, proxy) -> None:
+    on, off, _ = await _pair_with(fakes, proxy, limits={"body_timeout_s": 0.3},
+                                  logging=JSON_LOGS)  # fmt: skip
+    logs = {p.port: capture(p) for p in (on, off)}
+    raw = head(BODY) + BODY[:10]
+    got = await exchange(on.port, raw)
+    want = await exchange(off.port, raw)
+    assert [a.comparable() for a in got] == [a.comparable() for a in want]
+    assert "x-request-id" in got[0].headers
+    lane_lines = await access_lines(logs[on.port], 1)
+    aio_lines = await access_lines(logs[off.port], 1)
+    assert [_stable(x) for x in lane_lines] == [_stable(x) for x in aio_lines]
+
+
+async def test_a_body_after_the_keepalive_deadline_is_still_read(fakes, proxy) -> None:
+    """Idle past its answer, then a request whose body comes after the
+    keep-alive deadline: the headers began a request, so it is answered."""
+    on, off, _ = await _pair_with(fakes, proxy, limits={"keepalive_timeout_s": 0.6})
+    for p in (on, off):
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        try:
+            writer.write(head(BODY) + BODY)
+            assert (await read_answer(reader)).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(0.4)  # idle, within the keep-alive time
+            writer.write(head(BODY))
+            await asyncio.sleep(0.4)  # the body comes after the deadline
+            writer.write(BODY)
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            assert data.startswith(b"HTTP/1.1 200"), (p.lane is not None, data[:100])
+        finally:
+            writer.close()
+
+
+async def read_answer(reader: asyncio.StreamReader) -> bytes:
+    """One whole (Content-Length) answer off the connection."""
+    got = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = int(got.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return got + await asyncio.wait_for(reader.readexactly(length), 5)
+
+
+async def test_pipelined_answers_wait_for_a_client_that_does_not_read(fakes, proxy) -> None:
+    """A client that pipelines requests and never reads their answers gets no
+    more answered than its socket takes, as on aiohttp's path (which waits for
+    the transport to drain after each answer): not an unbounded buffer."""
+    rank = await fakes(name="a")
+    p = await proxy(settings_for([rank]))
+    body = b'{"model": "fake-model", "prompt": "hello", "max_tokens": 2000}'
+    one = head(body) + body
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", p.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(one * 300)
+        await writer.drain()
+        await asyncio.sleep(3)
+        proto = _server_handler(p)
+        assert proto is not None and proto.transport is not None
+        buffered = proto.transport.get_write_buffer_size()
+        assert buffered < 1 << 20, f"{buffered} bytes of answers held for an idle reader"
+    finally:
+        writer.close()
+
+
+def _server_handler(p: Running) -> Any:
+    server = p.runner.server
+    assert server is not None
+    (handler,) = server.connections
+    return handler
+
+
+async def test_pipelined_lane_and_aiohttp_requests_in_one_read(pair) -> None:
+    one = head(BODY) + BODY
+    get = b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n"
+    answers = await both(pair, one + get + one, answers=3)
+    assert [a.status for a in answers] == [200, 200, 200]
+
+
+async def test_a_client_leaving_before_a_whole_answer_is_logged_499(fakes, proxy) -> None:
+    on, off, rank = await _pair_with(fakes, proxy, logging=JSON_LOGS)
+    body = b'{"model": "fake-model", "prompt": "hello", "max_tokens": 100}'  # ~2 s
+    for p in (on, off):
+        out = capture(p)
+        before = rank.disconnects
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        writer.write(head(body) + body)
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.close()
+        for _ in range(50):
+            if rank.disconnects > before:
+                break
+            await asyncio.sleep(0.05)
+        assert rank.disconnects == before + 1, p.lane is not None
+        (line,) = await access_lines(out, 1)
+        assert (line["status"], line["end"]) == (499, "client_left"), line
+
+
+async def test_a_lane_stream_cut_by_the_drain_ends_with_an_error_event(fakes, proxy) -> None:
+    rank = await fakes(name="a", token_delay_s=0.05)
+    p = await proxy(settings_for([rank], shutdown={"ready_delay_s": 0.1, "grace_s": 0.3}))
+    body = b'{"model": "fake-model", "prompt": "x", "max_tokens": 400, "stream": true}'
+    lane = p.lane
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        writer.write(head(body) + body)
+        await asyncio.wait_for(reader.readuntil(b"data: "), 5)
+        stopping = asyncio.create_task(p.graceful_stop())
+        rest = await asyncio.wait_for(reader.read(-1), 10)
+        await stopping
+    finally:
+        writer.close()
+    assert lane is not None and lane.served == 1
+    assert b"proxy_shutdown" in rest and rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+async def test_stream_answers_through_the_lane_match(pair) -> None:
+    (answer,) = await both(pair, head(STREAM, "Connection: close") + STREAM)
+    assert answer.status == 200 and answer.headers["connection"] == "close"
