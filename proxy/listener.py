@@ -150,6 +150,9 @@ class OpenAIErrorsHandler(RequestHandler):
         if taken and self._body_timer is None:
             self._lane_need = taken
             self._disarm_header_timer()  # the headers are in
+            # A request has begun: not idle, whatever the keep-alive time says
+            # (aiohttp's timer spares a connection whose request it is reading).
+            self._cancel_keepalive()
             self._body_timer = self._loop.call_later(self.limits.body_timeout_s,
                                                      self._body_timeout)  # fmt: skip
         return False
@@ -167,18 +170,25 @@ class OpenAIErrorsHandler(RequestHandler):
     def _lane_start(self, request: Request, rest: bytes) -> None:
         self._disarm_header_timer()
         self._disarm_body_timer()
-        # aiohttp's idle timer would close a connection it thinks is idle.
+        self._cancel_keepalive()
+        self._lane_pending = rest
+        self._lane_task = self._loop.create_task(self._lane_serve(request))
+
+    def _cancel_keepalive(self) -> None:
+        """aiohttp's idle timer would close a connection it thinks is idle."""
         if self._keepalive_handle is not None:
             self._keepalive_handle.cancel()
             self._keepalive_handle = None
-        self._lane_pending = rest
-        self._lane_task = self._loop.create_task(self._lane_serve(request))
 
     async def _lane_serve(self, request: Request) -> None:
         assert self.lane is not None
         keep_alive = False
         try:
             keep_alive = await self.lane.serve(self, request)
+            # As aiohttp's write_eof: the next request waits while the client
+            # is not reading this answer, so one that pipelines requests and
+            # reads nothing cannot pile answers up in memory.
+            await self._drain_helper()
         except (asyncio.CancelledError, ConnectionError):
             pass  # the client left; the access log says so
         except Exception:
