@@ -36,7 +36,7 @@ from proxy.accesslog import AccessRecord, End
 from proxy.app import forward_v1
 from proxy.errors import ProxyError, error_response
 from proxy.fields import parse_object
-from proxy.inbound import check_api_key, client_request_id
+from proxy.inbound import RequestTimeout, check_api_key, client_request_id
 from proxy.sink import ChunkSink, Sink
 from proxy.state import ACCESS_LOG, LIMIT, METRICS, SETTINGS, TRACING
 from proxy.target import parse_forward
@@ -72,6 +72,7 @@ class Request:
     headers: CIMultiDict[str]
     body: bytes
     keep_alive: bool
+    body_late: bool = False  # its body did not come within limits.body_timeout_s
 
 
 class _Head:
@@ -129,6 +130,35 @@ class Lane:
         the bytes after it; an int: one so far, read on (0: its head is still
         coming; n: its headers are in, it is n bytes in all); None: not one,
         aiohttp's to parse."""
+        got = self._head(buf)
+        if not isinstance(got, tuple):
+            return got
+        head, req, body_at, length = got
+        end = body_at + length
+        if len(buf) < end:
+            return end
+        try:
+            head.parser.feed_data(buf[body_at:end])
+        except _PARSE_ERRORS:
+            return None
+        if not head.complete:
+            return None
+        req.body = b"".join(head.body)
+        return req, buf[end:]
+
+    def body_late(self, buf: bytes) -> Request | None:
+        """The request whose head is ``buf``'s and whose body did not come in
+        time: answered as aiohttp's path answers it (proxy.inbound.read_body)."""
+        got = self._head(buf)
+        if not isinstance(got, tuple):
+            return None
+        req = got[1]
+        req.keep_alive, req.body_late = False, True
+        return req
+
+    def _head(self, buf: bytes) -> tuple[_Head, Request, int, int] | int | None:
+        """The head of a request of the lane's shape (its parser, the request
+        without its body, where the body starts, its length), or as parse."""
         line_end = buf.find(b"\r\n", 0, _MAX_LINE)
         if line_end < 0:  # the request line is still coming: may it be ours?
             short = len(buf) < _MAX_LINE and any(line.startswith(buf) for line in self.lines)
@@ -155,16 +185,7 @@ class Lane:
         )
         if headers.get("Content-Type", "").split(";", 1)[0].strip().lower() != "application/json":
             return None  # aiohttp's path parses the type and refuses others
-        end = head_end + 4 + length
-        if len(buf) < end:
-            return end
-        try:
-            head.parser.feed_data(buf[head_end + 4 : end])
-        except _PARSE_ERRORS:
-            return None
-        if not head.complete:
-            return None
-        return Request(path, headers, b"".join(head.body), head.keep_alive), buf[end:]
+        return head, Request(path, headers, b"", head.keep_alive), head_end + 4, length
 
     # -- answering -----------------------------------------------------------
     async def serve(self, conn: Connection, req: Request) -> bool:
@@ -240,6 +261,9 @@ class Lane:
     async def _forward(self, req: Request, reply: LaneReply, request_id: str) -> None:
         """``proxy_v1``'s part: the key, the body, then the shared checks and relay."""
         check_api_key(req.headers, self.settings.api_keys)
+        if req.body_late:
+            timeout_s = self.settings.limits.body_timeout_s
+            raise RequestTimeout(f"request body not received within {timeout_s:g}s")
         parsed = parse_object(req.body)
         await forward_v1(self.app, reply, "POST", req.path, req.headers, req.body, parsed,
                          request_id)  # fmt: skip

@@ -158,9 +158,17 @@ class OpenAIErrorsHandler(RequestHandler):
         return False
 
     def _body_timeout(self) -> None:
+        """Answered through the lane (access log, metrics, request id), as
+        aiohttp's path answers a body that does not come; then closed."""
         self._body_timer = None
-        text = f"request body not received within {self.limits.body_timeout_s:g}s"
-        self._refuse(raw_answer(408, text, "request_timeout"))
+        assert self.lane is not None
+        late = self.lane.body_late(b"".join(self._lane_parts))
+        self._lane_parts, self._lane_have, self._lane_need = [], 0, 0
+        if late is None:  # not expected: the head was the lane's when the timer started
+            text = f"request body not received within {self.limits.body_timeout_s:g}s"
+            self._refuse(raw_answer(408, text, "request_timeout"))
+            return
+        self._lane_start(late, b"")
 
     def _disarm_body_timer(self) -> None:
         if self._body_timer is not None:

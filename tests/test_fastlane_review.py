@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from proxy.server import Running
 from proxy.state import ACCESS_LOG
 from tests.conftest import settings_for
-from tests.test_fastlane import BODY, STREAM, _lane, both, exchange, head, pair  # noqa: F401
+from tests.test_fastlane import BODY, STREAM, _lane, both, exchange, head
 
 JSON_LOGS = {"access_log": True, "format": "json"}
 
@@ -121,6 +121,13 @@ def test_heads_aiohttp_refuses_are_not_the_lanes(lines) -> None:
 
 
 @pytest.fixture
+async def lanes(fakes, proxy) -> tuple[Running, Running]:
+    """Two proxies over one fake rank: the lane on, the lane off."""
+    on, off, _ = await _pair_with(fakes, proxy)
+    return on, off
+
+
+@pytest.fixture
 async def keyed_pair(fakes, proxy) -> tuple[Running, Running]:
     rank = await fakes(name="a")
     on = await proxy(settings_for([rank], api_keys=["k-1"]))
@@ -142,10 +149,10 @@ async def test_header_values_are_trimmed_as_aiohttp_trims_them(keyed_pair) -> No
 @pytest.mark.parametrize(
     "extra", [("Host: a",), ("Content-Type: text/plain",), ("User-Agent: a", "User-Agent: b")]
 )
-async def test_a_refused_head_is_answered_as_aiohttp_does(pair, extra) -> None:
-    on, _ = pair
+async def test_a_refused_head_is_answered_as_aiohttp_does(lanes, extra) -> None:
+    on, _ = lanes
     raw = head(BODY, *extra) + BODY  # head() already has a Host and a Content-Type
-    (answer,) = await both(pair, raw)
+    (answer,) = await both(lanes, raw)
     assert answer.status == 400
     assert on.lane is not None and on.lane.served == 0
 
@@ -222,13 +229,13 @@ async def read_answer(reader: asyncio.StreamReader) -> bytes:
     return got + await asyncio.wait_for(reader.readexactly(length), 5)
 
 
-async def test_pipelined_answers_wait_for_a_client_that_does_not_read(pair) -> None:
+async def test_pipelined_answers_wait_for_a_client_that_does_not_read(lanes) -> None:
     """A client that pipelines requests and never reads their answers gets no
     more answered than its socket takes, as on aiohttp's path (which waits for
     the transport to drain after each answer): not an unbounded buffer."""
     body = b'{"model": "fake-model", "prompt": "hello", "max_tokens": 500}'  # ~2 KB answers
-    for p in pair:
-        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    for p in lanes:
+        _, writer = await asyncio.open_connection("127.0.0.1", p.port)
         try:
             await asyncio.sleep(0.1)
             proto = _server_handler(p)
@@ -252,10 +259,10 @@ def _server_handler(p: Running) -> Any:
     return handler
 
 
-async def test_pipelined_lane_and_aiohttp_requests_in_one_read(pair) -> None:
+async def test_pipelined_lane_and_aiohttp_requests_in_one_read(lanes) -> None:
     one = head(BODY) + BODY
     get = b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n"
-    answers = await both(pair, one + get + one, answers=3)
+    answers = await both(lanes, one + get + one, answers=3)
     assert [a.status for a in answers] == [200, 200, 200]
 
 
@@ -265,7 +272,7 @@ async def test_a_client_leaving_before_a_whole_answer_is_logged_499(fakes, proxy
     for p in (on, off):
         out = capture(p)
         before = rank.disconnects
-        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        _, writer = await asyncio.open_connection("127.0.0.1", p.port)
         writer.write(head(body) + body)
         await writer.drain()
         await asyncio.sleep(0.3)
@@ -297,6 +304,6 @@ async def test_a_lane_stream_cut_by_the_drain_ends_with_an_error_event(fakes, pr
     assert b"proxy_shutdown" in rest and rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
 
 
-async def test_stream_answers_through_the_lane_match(pair) -> None:
-    (answer,) = await both(pair, head(STREAM, "Connection: close") + STREAM)
+async def test_stream_answers_through_the_lane_match(lanes) -> None:
+    (answer,) = await both(lanes, head(STREAM, "Connection: close") + STREAM)
     assert answer.status == 200 and answer.headers["connection"] == "close"
