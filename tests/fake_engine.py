@@ -10,8 +10,9 @@ What it copies, because the splice depends on it:
 * special tokens (``<|endoftext|>``, the chat template's markers): skipped in
   the stream's text by default (``skip_special_tokens``), kept by
   ``/detokenize`` (vLLM's request has no such switch);
-* stop strings: text that could still become a stop string is held back,
-  and flushed in the abort chunk;
+* stop strings: text that could still become a stop string is held back
+  (only when the stop string is cut from the output), and flushed in the
+  abort chunk;
 * the abort chunk: ``finish_reason: "abort"``, and it may carry the ids of
   the step that faulted;
 * several tokens merged into one chunk (vLLM under load);
@@ -207,7 +208,10 @@ class _Run:
                     out = self.released[self.sent : end]
                     self.sent = len(self.released)
                     return out, "stop", s, used
-        hold = 0 if last or not stops else max(map(len, stops)) - 1
+        # vLLM holds text back only when the stop string is to be cut from
+        # the output (``stop_buffer_length`` of its incremental detokenizer).
+        cut = bool(stops) and not self.body.get("include_stop_str_in_output")
+        hold = max(map(len, stops)) - 1 if cut and not last else 0
         upto = max(len(self.released) - hold, self.sent)
         out, self.sent = self.released[self.sent : upto], upto
         return out, "length" if last else None, None, len(ids)

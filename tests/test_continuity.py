@@ -240,7 +240,7 @@ async def test_hold_timeout_ends_with_an_error_event(fakes, proxy, http) -> None
 
 
 # A byte-level toy tokenizer: 9 is the prompt, 2-3-4 are the bytes of "€".
-_BYTES = {9: b"x", 1: b"a", 2: b"\xe2", 3: b"\x82", 4: b"\xac", 5: b"b"}
+_BYTES = {9: b"x", 1: b"a", 2: b"\xe2", 3: b"\x82", 4: b"\xac", 5: b"b", 6: b"c"}
 
 
 async def _decode(ids: list[int]) -> str:
@@ -343,21 +343,61 @@ def test_common_chunks_take_the_byte_path_and_match_the_parsed_one() -> None:
     assert book.on_original_bytes(final) is None  # a finish is parsed
 
 
-async def test_text_held_for_a_stop_string_is_recovered_when_the_connection_drops() -> None:
+def _held_ab(temperature: float) -> Any:
     # vLLM holds "ab" back (it could start the stop string "abc"); the
-    # connection is lost, so no abort chunk flushes it: the ids say it.
+    # connection is lost, so no abort chunk flushes it.
     from proxy.continuation import Book
 
-    book = Book.for_request("completion", {"prompt": "x", "max_tokens": 10, "temperature": 0,
-                                           "stop": ["abc"], "return_token_ids": True})  # fmt: skip
+    book = Book.for_request("completion", {
+        "prompt": "x", "max_tokens": 10, "temperature": temperature, "stop": ["abc"],
+        "return_token_ids": True})  # fmt: skip
     book.on_original(_chunk([5], "b", prompt_token_ids=[9]))
     book.on_original(_chunk([1], ""))
     book.on_original(_chunk([5], ""))
+    return book
+
+
+async def test_text_held_for_a_stop_string_is_recovered_when_the_connection_drops() -> None:
+    # Sampled, and the client has the held tokens' ids: they cannot be
+    # generated again, the ids say the text, and the proxy matches across.
+    book = _held_ab(1.0)
     _, body = await book.continuation(_decode)
     assert body["prompt"] == [9, 5, 1, 5]  # nothing generated again
+    assert body["include_stop_str_in_output"] is True  # no text held back by vLLM
     emit = book.on_continuation({"choices": [{"text": "a", "token_ids": [1],
                                               "finish_reason": "length"}]})  # fmt: skip
     assert json.loads(emit.data[0])["choices"][0]["text"] == "aba"
+
+
+async def test_text_held_for_a_stop_string_is_generated_again_when_greedy() -> None:
+    # Greedy: the splice goes back before "ab", so vLLM sees the whole stop
+    # string in its own output and ends at the token that completes it.
+    book = _held_ab(0.0)
+    _, body = await book.continuation(_decode)
+    assert body["prompt"] == [9, 5] and book.replay == [1, 5]
+    emit = book.on_continuation({"choices": [{"text": "abc", "token_ids": [1, 5, 6],
+                                              "finish_reason": "stop",
+                                              "stop_reason": "abc"}]})  # fmt: skip
+    choice = json.loads(emit.data[0])["choices"][0]
+    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == ("", [6], "stop")
+
+
+async def test_a_stop_across_the_splice_in_a_merged_chunk_is_refused() -> None:
+    # Sampled with ids: "c" completes "abc" across the splice, in a chunk of
+    # two tokens; the one after the stop must not reach the client, and
+    # which one it is cannot be told.
+    from proxy.continuation import SpliceFailed
+
+    book = _held_ab(1.0)
+    await book.continuation(_decode)
+    one = _held_ab(1.0)
+    await one.continuation(_decode)
+    emit = one.on_continuation({"choices": [{"text": "c", "token_ids": [6]}]})
+    choice = json.loads(emit.data[0])["choices"][0]
+    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == ("", [6], "stop")
+    with pytest.raises(SpliceFailed) as e:
+        book.on_continuation({"choices": [{"text": "cb", "token_ids": [6, 5]}]})
+    assert e.value.code == "stop_across_splice"
 
 
 class _TwoChoicesThenDrop(FakeRank):
@@ -391,3 +431,13 @@ async def test_n_choices_cut_after_the_first_finished_is_not_a_clean_end(proxy, 
     errors = [c["error"] for c in chunks if "error" in c]
     assert len(errors) == 1 and "cannot be continued exactly" in errors[0]["message"], chunks
     assert done and finishes(chunks) == ["length"]
+
+
+def test_a_boundary_is_open_where_a_stop_string_could_start_unseen() -> None:
+    from proxy.continuation.splice import opens_stop
+
+    assert opens_stop("xab", "xab", ["abc"])  # "c" would complete it: vLLM sees "c" only
+    assert opens_stop("xa", "xab", ["abc"])  # vLLM sees "bc", not the "a"
+    assert not opens_stop("x", "xab", ["abc"])  # "ab" is generated again: vLLM sees it all
+    assert not opens_stop("xab", "xab", ["cd", "q"])
+    assert opens_stop("xa", None, ["abc"])  # the ids' text not known: as if it ended here

@@ -64,8 +64,12 @@ def check(r: dict[str, Any], chunking: list[int], fs: list[Fault | None], whole:
     got = asyncio.run(through_proxy(engine, kind, body, fs, whole))
     if got.error is not None:
         # The fake samples deterministically, so only what sampling really
-        # rules out may be refused: ids the client has, inside a character.
-        assert not greedy and got.error == "split_character", (got, ref)
+        # rules out may be refused: ids the client has, inside a character,
+        # or ending a stop string across the splice in a merged chunk.
+        assert not greedy, (got, ref)
+        assert got.error in ("split_character", "stop_across_splice"), (got, ref)
+        if got.error == "stop_across_splice":
+            assert max(chunking) > 1, (got, ref)
         return
     assert got.text == ref.text, (got, ref, engine.requests)
     assert got.finish == ref.finish, (got, ref)
@@ -108,3 +112,28 @@ def test_text_held_for_a_stop_string_is_not_sent_after_a_rollback() -> None:
          "include_stop": False, "skip_special": None, "prompt": "\n b a"}  # fmt: skip
     for whole in (False, True):
         check(r, [1], [Fault(after=14, kind="abort", carry=False)], whole, greedy=True)
+
+
+def test_a_stop_string_across_the_splice_ends_the_answer_at_its_own_token() -> None:
+    # "é" is held back for "é€" when the engine aborts; the continuation's
+    # "€" completes the stop, but vLLM (asked to cut the stop string) holds
+    # "€" back and sends it with the next token: that token's id must not
+    # reach the client. The same where the ids after the fault are merged
+    # into one chunk, or the abort chunk carries the faulting step's id.
+    r = {"kind": "chat", "max_tokens": None, "ids": True, "stop": ["é€"],
+         "include_stop": False, "skip_special": None, "prompt": "a \nbcb"}  # fmt: skip
+    for chunking, carry in [([1], False), ([1], True), ([2, 1], False), ([3], True)]:
+        for greedy in (True, False):
+            for whole in (False, True):
+                check(r, chunking, [Fault(after=15, kind="abort", carry=carry)], whole, greedy)
+
+
+def test_a_stop_string_kept_in_the_output_is_matched_across_the_splice() -> None:
+    # Asked to keep the stop string, vLLM holds nothing back: the client has
+    # "é" when the engine aborts, and the continuation's "€" ends the answer
+    # though neither vLLM (its own output is "€...") nor the held text saw it.
+    r = {"kind": "chat", "max_tokens": None, "ids": None, "stop": ["é€"],
+         "include_stop": True, "skip_special": None, "prompt": "a \nbcb"}  # fmt: skip
+    for ids in (None, True):
+        for greedy in (True, False):
+            check({**r, "ids": ids}, [1], [Fault(after=15, kind="abort")], False, greedy)

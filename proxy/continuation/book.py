@@ -20,6 +20,11 @@ text agrees with. Tokens after it are generated again (greedy): the client
 gets neither their ids nor their text a second time; a difference ends the
 stream with ``continuation_diverged``, never with an inexact text. Pure logic:
 decoding is a function the caller passes in.
+
+vLLM matches stop strings in its own output only. One that starts before the
+splice (a boundary the splice could not go back over) is matched here, on
+the continuation's text: it asks vLLM to hold nothing back, so a chunk's text
+comes with its own ids and the answer ends at the token that completed it.
 """
 
 from __future__ import annotations
@@ -73,6 +78,11 @@ class Book:
     usage_sent: bool = False
     role_sent: bool = False
     pending: str = ""  # text held back while a stop string could still match
+    # Text the client has before ``pending``, and how many characters of
+    # ``behind + pending`` came before the continuation: vLLM cannot match a
+    # stop string that starts there, the proxy does.
+    behind: str = ""
+    across: int = 0
     stops: list[str] = field(default_factory=list)
     # (generated ids after a chunk, its text; a chunk taken on bytes keeps
     # its bytes, parsed only if a splice needs them)
@@ -244,6 +254,11 @@ class Book:
         body = carried(self.body)
         body.update(prompt=self.prompt_ids + self.generated, stream=True,
                     return_token_ids=True, add_special_tokens=False)  # fmt: skip
+        if self.stops:
+            # vLLM then holds no text back: a chunk's text comes with its own
+            # ids, so a stop found by the proxy is at a known token. The
+            # proxy holds back and cuts the stop string as the client asked.
+            body["include_stop_str_in_output"] = True
         limit = self._limit()
         if limit is None and max_model_len is not None:
             limit = max_model_len - len(self.prompt_ids)
@@ -273,8 +288,7 @@ class Book:
         b = await find_boundary(
             prompt=self.prompt_ids, generated=self.generated, marks=marks,
             visible=visible, suspects=self.suspects, greedy=greedy, lowest=lowest,
-            skip_special=skip_special, decode=decode,
-            held_max=max((len(s) - 1 for s in self.stops), default=0),
+            skip_special=skip_special, decode=decode, stops=self.stops,
         )  # fmt: skip
         if greedy:
             self.replay = self.generated[b.k :] + self.replay
@@ -282,6 +296,10 @@ class Book:
         self.records = [(b.k, b.text)]
         self.skip = b.skip
         self.pending += b.recovered
+        # An open boundary (sampled only): a stop string may start before it.
+        hold = _hold(self.stops)
+        self.behind = b.text[: len(b.text) - len(b.recovered)][-hold:] if b.open and hold else ""
+        self.across = len(self.behind) + len(self.pending)
         if b.k < n or b.recovered:
             log.info("splice at %d of %d ids: %d chars again, %d recovered",
                      b.k, n, len(b.skip), len(b.recovered))  # fmt: skip
@@ -302,9 +320,18 @@ class Book:
         self._count(choice.get("token_ids") or [], text)
         text = self._skip_said(text)
         if finish == "abort":
-            self.pending += text
-            return self._aborted(ids)
-        out, stop_hit = self._scan(text, final=finish is not None)
+            if _first_stop(self.behind + self.pending + text, len(text), self.stops) is None:
+                self.pending += text
+                return self._aborted(ids)
+            finish = None  # its token ends a stop string across the splice: the answer ends
+        out, stop_hit, across = self._scan(text, final=finish is not None)
+        if across and len(choice.get("token_ids") or []) > 1:
+            # vLLM merged steps into this chunk: which of its ids completed
+            # the stop is not known, and the client's answer ends there.
+            raise SpliceFailed(
+                "stop_across_splice",
+                "a stop string across the splice ended in a chunk of several tokens",
+            )
         if stop_hit is not None:
             finish = "stop"
         emit = Emit()
@@ -319,7 +346,7 @@ class Book:
 
     def finish_here(self) -> list[bytes]:
         """The final chunk of an answer whose budget was spent at the fault."""
-        out, stop = self._scan("", final=True)
+        out, stop, _ = self._scan("", final=True)
         self.finish_reason = "stop" if stop is not None else "length"
         return [self._client_chunk(out, [], self.finish_reason, stop, {})]
 
@@ -345,23 +372,29 @@ class Book:
         self.skip = self.skip[n:]
         return text[n:]
 
-    def _scan(self, text: str, final: bool) -> tuple[str, str | None]:
-        """Release text, holding back what a stop string could still match.
+    def _scan(self, text: str, final: bool) -> tuple[str, str | None, bool]:
+        """Release text, holding back what a stop string could still match:
+        (the text, the stop string found, whether it starts before the
+        continuation's output).
 
         vLLM only checks stop strings inside its own output, so one that
         straddles the splice would be missed; this check covers it.
         """
-        buf = self.pending + text
-        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
-        if hits:
-            i, s = min(hits)
-            keep = buf[: i + len(s)] if self.body.get("include_stop_str_in_output") else buf[:i]
-            self.pending = ""
-            return keep, s
-        hold = 0 if final or not self.stops else max(len(s) for s in self.stops) - 1
-        cut = max(len(buf) - hold, 0)
-        self.pending = buf[cut:]
-        return buf[:cut], None
+        lead = len(self.behind)  # the client has it: matched, never sent again
+        buf = self.behind + self.pending + text
+        hit = _first_stop(buf, len(text), self.stops)
+        if hit is not None:
+            i, s = hit
+            end = i + len(s) if as_bool(self.body.get("include_stop_str_in_output")) else i
+            across = i < self.across
+            self.behind, self.pending, self.across = "", "", 0
+            return buf[lead : max(end, lead)], s, across
+        hold = 0 if final else _hold(self.stops)
+        cut = max(len(buf) - hold, lead)
+        start = min(cut, max(len(buf) - hold, 0))  # what may still start a match
+        self.behind, self.pending = buf[start:cut], buf[cut:]
+        self.across = max(self.across - start, 0)
+        return buf[lead:cut], None, False
 
     def _client_chunk(
         self, text: str, ids: list[int], finish: str | None, stop: str | None, src: dict[str, Any]
@@ -393,6 +426,22 @@ class Book:
             out.append(_dumps(chunk))
             self.usage_sent = True
         return out
+
+
+def _first_stop(buf: str, new: int, stops: list[str]) -> tuple[int, str] | None:
+    """The stop string vLLM would report for ``buf`` whose last ``new``
+    characters are new: the first in the request's order with a match that
+    takes in new text (vLLM's ``check_stop_strings``), and where it starts."""
+    for s in stops:
+        i = buf.find(s, max(len(buf) - new - len(s) + 1, 0))
+        if i >= 0:
+            return i, s
+    return None
+
+
+def _hold(stops: list[str]) -> int:
+    """Characters vLLM holds back for stop strings cut from the output."""
+    return max((len(s) for s in stops), default=1) - 1
 
 
 def text_of(choice: dict[str, Any], kind: str) -> str:

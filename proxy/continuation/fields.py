@@ -197,7 +197,10 @@ FIELDS: dict[str, Field] = {
     "stop_token_ids": _f(CARRY, "per-token"),
     "stop": _f(CARRY, "also checked by the proxy across the splice, with the text vLLM held "
                       "back"),
-    "include_stop_str_in_output": _f(CARRY, "applied to a stop found across the splice too"),
+    "include_stop_str_in_output": _f(ADJUST, "true, when there are stop strings: vLLM then "
+                                             "holds no text back, so a stop the proxy finds "
+                                             "across the splice is at a known token; the proxy "
+                                             "holds back and cuts as the client asked"),
     "skip_special_tokens": _f(CARRY, "the splice's text is decoded the same way"),
     "spaces_between_special_tokens": _f(CARRY, "the splice's text is decoded the same way"),
     "thinking_token_budget": _r("thinking_budget", "given", _given,
