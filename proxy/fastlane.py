@@ -168,7 +168,7 @@ class Lane:
             return None
         head_end = buf.find(b"\r\n\r\n", line_end, _MAX_HEAD)
         if head_end < 0:
-            return 0 if len(buf) < _MAX_HEAD else None
+            return 0 if len(buf) < _MAX_HEAD and _valid_so_far(buf) else None
         head = _Head()
         try:
             head.parser.feed_data(buf[: head_end + 4])
@@ -267,6 +267,17 @@ class Lane:
         parsed = parse_object(req.body)
         await forward_v1(self.app, reply, "POST", req.path, req.headers, req.body, parsed,
                          request_id)  # fmt: skip
+
+
+def _valid_so_far(part: bytes) -> bool:
+    """Whether a head still coming is valid HTTP so far: bytes aiohttp's
+    parser refuses at once (a NUL, a bare LF) are its to answer now, not a
+    header timeout's later."""
+    try:
+        _Head().parser.feed_data(part)
+    except _PARSE_ERRORS:
+        return False
+    return True
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:

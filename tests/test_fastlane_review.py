@@ -443,3 +443,11 @@ async def test_a_body_still_coming_at_shutdown_gets_an_answer(fakes, proxy) -> N
     finally:
         writer.close()
     assert raw.startswith(b"HTTP/1.1 503"), raw
+
+
+@pytest.mark.parametrize("bad", [b"X-A: a\x00b\r\n", b"X-A: b\r\n\n", b"X A: b\r\n"])
+async def test_a_head_that_goes_wrong_before_its_end_is_refused_at_once(lanes, bad) -> None:
+    """Not left to the header timeout: aiohttp refuses it as soon as it reads it."""
+    raw = head(BODY).removesuffix(b"\r\n") + bad  # no end of head yet
+    (answer,) = await both(lanes, raw)
+    assert answer.status == 400
