@@ -62,6 +62,9 @@ class InFlight:
     task: asyncio.Task[Any] | None
     stream: Stream | None = None  # a prepared SSE answer
     cut: bool = False
+    # Without a task (the fast lane's request whose body is still coming):
+    # how to end it instead of cancelling its task.
+    on_cut: Callable[[], None] | None = None
 
 
 IN_FLIGHT = web.RequestKey("in_flight", InFlight)
@@ -138,11 +141,13 @@ class Drain:
 
     def cut(self) -> int:
         """End everything still in flight; returns how many were ended."""
-        left = [e for e in self._in_flight if not e.cut and e.task is not None]
+        left = [e for e in self._in_flight if not e.cut and (e.task or e.on_cut) is not None]
         for entry in left:
             entry.cut = True
-            assert entry.task is not None
-            entry.task.cancel()
+            if entry.task is not None:
+                entry.task.cancel()
+            elif entry.on_cut is not None:
+                entry.on_cut()
         return len(left)
 
 

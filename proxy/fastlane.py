@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Protocol
+from typing import Literal, Protocol
 
 import httptools
 from aiohttp import web
@@ -66,13 +66,19 @@ class Connection(Protocol):
     async def _drain_helper(self) -> None: ...
 
 
+Late = Literal["timeout", "shutdown"]
+
+
 @dataclass
 class Request:
     path: str
     headers: CIMultiDict[str]
     body: bytes
     keep_alive: bool
-    body_late: bool = False  # its body did not come within limits.body_timeout_s
+    # Its body did not come: within limits.body_timeout_s, or before a graceful stop ended it.
+    body_late: Late | None = None
+    # The drain's record of it while its body came, left once it has its own.
+    waited: drain.InFlight | None = None
 
 
 class _Head:
@@ -146,14 +152,15 @@ class Lane:
         req.body = b"".join(head.body)
         return req, buf[end:]
 
-    def body_late(self, buf: bytes) -> Request | None:
+    def body_late(self, buf: bytes, why: Late) -> Request | None:
         """The request whose head is ``buf``'s and whose body did not come in
-        time: answered as aiohttp's path answers it (proxy.inbound.read_body)."""
+        time, or before a graceful stop: answered as aiohttp's path answers it
+        (proxy.inbound.read_body's 408, the drain's 503)."""
         got = self._head(buf)
         if not isinstance(got, tuple):
             return None
         req = got[1]
-        req.keep_alive, req.body_late = False, True
+        req.keep_alive, req.body_late = False, why
         return req
 
     def _head(self, buf: bytes) -> tuple[_Head, Request, int, int] | int | None:
@@ -225,15 +232,25 @@ class Lane:
         """The drain's part: a request it cuts at shutdown still ends well."""
         entry = self.drain.enter()
         reply.entry = entry
+        if req.waited is not None:
+            self.drain.leave(req.waited)
         try:
+            if req.body_late == "shutdown":  # the drain ended it while its body came
+                entry.cut = True
+                await self._end_cut(entry, reply)
+                return
             await self._answered(req, reply, request_id)
         except asyncio.CancelledError:
             if not entry.cut:
                 raise
-            if (resp := await drain.end_cut(entry)) is not None:
-                await reply.send(resp)
+            await self._end_cut(entry, reply)
         finally:
             self.drain.leave(entry)
+
+    @staticmethod
+    async def _end_cut(entry: drain.InFlight, reply: LaneReply) -> None:
+        if (resp := await drain.end_cut(entry)) is not None:
+            await reply.send(resp)
 
     async def _answered(self, req: Request, reply: LaneReply, request_id: str) -> None:
         """The error middleware's part: every error is an OpenAI-shaped answer."""
@@ -261,7 +278,7 @@ class Lane:
     async def _forward(self, req: Request, reply: LaneReply, request_id: str) -> None:
         """``proxy_v1``'s part: the key, the body, then the shared checks and relay."""
         check_api_key(req.headers, self.settings.api_keys)
-        if req.body_late:
+        if req.body_late == "timeout":
             timeout_s = self.settings.limits.body_timeout_s
             raise RequestTimeout(f"request body not received within {timeout_s:g}s")
         parsed = parse_object(req.body)

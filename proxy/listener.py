@@ -37,8 +37,9 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, _RequestFactory
 from aiohttp.web_request import BaseRequest
 
+from proxy.drain import InFlight
 from proxy.errors import error_body
-from proxy.fastlane import Lane, Request
+from proxy.fastlane import Lane, Late, Request
 from proxy.settings import Limits
 
 log = logging.getLogger("ftproxy.listener")
@@ -78,6 +79,7 @@ class OpenAIErrorsHandler(RequestHandler):
     _lane_have = 0
     _lane_need = 0
     _body_timer: asyncio.TimerHandle | None = None
+    _body_wait: InFlight | None = None  # the drain's record of that request
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._lane_parts = []
@@ -153,34 +155,58 @@ class OpenAIErrorsHandler(RequestHandler):
             # A request has begun: not idle, whatever the keep-alive time says
             # (aiohttp's timer spares a connection whose request it is reading).
             self._cancel_keepalive()
-            self._body_timer = self._loop.call_later(self.limits.body_timeout_s,
-                                                     self._body_timeout)  # fmt: skip
+            self._arm_body_timer(lane)
         return False
 
-    def _body_timeout(self) -> None:
-        """Answered through the lane (access log, metrics, request id), as
-        aiohttp's path answers a body that does not come; then closed."""
-        self._body_timer = None
-        assert self.lane is not None
-        late = self.lane.body_late(b"".join(self._lane_parts))
-        self._lane_parts, self._lane_have, self._lane_need = [], 0, 0
-        if late is None:  # not expected: the head was the lane's when the timer started
-            text = f"request body not received within {self.limits.body_timeout_s:g}s"
-            self._refuse(raw_answer(408, text, "request_timeout"))
-            return
-        self._lane_start(late, b"")
+    def _arm_body_timer(self, lane: Lane) -> None:
+        self._body_timer = self._loop.call_later(self.limits.body_timeout_s,
+                                                 self._body_timeout)  # fmt: skip
+        # In flight from its headers on, as on aiohttp's path: a graceful stop
+        # gives it the grace period for its body, then answers it 503.
+        entry = self._body_wait = lane.drain.enter()
+        entry.task, entry.on_cut = None, self._body_cut  # no task of its own yet
 
     def _disarm_body_timer(self) -> None:
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
+        if self._body_wait is not None and self.lane is not None:
+            self.lane.drain.leave(self._body_wait)
+            self._body_wait = None
+
+    def _body_timeout(self) -> None:
+        """Answered through the lane (access log, metrics, request id), as
+        aiohttp's path answers a body that does not come; then closed."""
+        self._answer_late("timeout")
+
+    def _body_cut(self) -> None:
+        """The drain ends a request whose body is still coming: 503, as aiohttp's path."""
+        self._answer_late("shutdown")
+
+    def _answer_late(self, why: Late) -> None:
+        assert self.lane is not None
+        late = self.lane.body_late(b"".join(self._lane_parts), why)
+        self._lane_parts, self._lane_have, self._lane_need = [], 0, 0
+        if late is None:  # not expected: the head was the lane's when the timer started
+            self._disarm_body_timer()
+            text = f"request body not received within {self.limits.body_timeout_s:g}s"
+            self._refuse(raw_answer(408, text, "request_timeout"))
+            return
+        self._lane_start(late, b"")  # disarms the timer, hands the drain's record on
 
     def _lane_start(self, request: Request, rest: bytes) -> None:
+        waited, self._body_wait = self._body_wait, None
         self._disarm_header_timer()
         self._disarm_body_timer()
         self._cancel_keepalive()
         self._lane_pending = rest
-        self._lane_task = self._loop.create_task(self._lane_serve(request))
+        task = self._lane_task = self._loop.create_task(self._lane_serve(request))
+        if waited is not None and self.lane is not None:
+            # In flight until the task's own entry is (Lane.serve leaves it):
+            # the drain never sees an idle moment between the two.
+            waited.on_cut, request.waited = None, waited
+            drain_ = self.lane.drain
+            task.add_done_callback(lambda _: drain_.leave(waited))
 
     def _cancel_keepalive(self) -> None:
         """aiohttp's idle timer would close a connection it thinks is idle."""

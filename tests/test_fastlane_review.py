@@ -239,7 +239,11 @@ async def test_pipelined_answers_wait_for_a_client_that_does_not_read(lanes) -> 
     the transport to drain after each answer): not an unbounded buffer."""
     body = b'{"model": "fake-model", "prompt": "hello", "max_tokens": 500}'  # ~2 KB answers
     for p in lanes:
-        _, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", p.port))
+        _, writer = await asyncio.open_connection(sock=sock)
         try:
             await asyncio.sleep(0.1)
             proto = _server_handler(p)
@@ -424,25 +428,42 @@ async def test_a_whole_answer_cut_by_the_drain_is_a_503_as_on_aiohttps_path(fake
     assert status == 503 and headers["connection"] == "close" and "proxy_shutdown" in text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a lane request whose body is still coming is not in the drain's in-flight set: "
-    "a graceful stop closes its connection without an answer (aiohttp's path gives it the "
-    "grace period, then 503 proxy_shutdown)",
-)
-async def test_a_body_still_coming_at_shutdown_gets_an_answer(fakes, proxy) -> None:
+@pytest.mark.parametrize("lane", [True, False])
+@pytest.mark.parametrize("body_after_s", [0.4, None])
+async def test_a_body_still_coming_at_shutdown_is_given_the_grace_period(
+    fakes, proxy, lane, body_after_s
+) -> None:
+    """Its headers are in: in flight, as on aiohttp's path. Its body arriving
+    within the grace period is answered; not arriving, it gets 503
+    proxy_shutdown, never a silent close."""
     rank = await fakes(name="a")
-    p = await proxy(settings_for([rank], shutdown={"ready_delay_s": 0.1, "grace_s": 0.3}))
+    s = settings_for([rank], shutdown={"ready_delay_s": 0.1, "grace_s": 0.8},
+                     logging=JSON_LOGS)  # fmt: skip
+    s.listen.fast_lane = lane
+    p = await proxy(s)
+    out = capture(p)
     reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
     try:
         writer.write(head(BODY))  # the body is still coming
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.1)
         stopping = asyncio.create_task(p.graceful_stop())
+        if body_after_s is not None:
+            await asyncio.sleep(body_after_s)
+            writer.write(BODY)
         raw = await asyncio.wait_for(reader.read(-1), 10)
         await stopping
     finally:
         writer.close()
-    assert raw.startswith(b"HTTP/1.1 503"), raw
+    got = _Answers()
+    got.parser.feed_data(raw)
+    ((status, headers, text),) = [a.comparable() for a in got.done]
+    assert headers["connection"] == "close"
+    (line,) = await access_lines(out, 1)
+    if body_after_s is not None:
+        assert (status, line["end"]) == (200, "finished"), text
+    else:
+        assert (status, line["end"]) == (503, "proxy_shutdown"), text
+        assert json.loads(text)["error"]["code"] == "proxy_shutdown"
 
 
 @pytest.mark.parametrize("bad", [b"X-A: a\x00b\r\n", b"X-A: b\r\n\n", b"X A: b\r\n"])
