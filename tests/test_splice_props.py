@@ -24,12 +24,13 @@ faults = st.builds(
     kind=st.sampled_from(["abort", "abort", "drop", "after_done"]),
     carry=st.booleans(),
 )
+STOPS = ["op", "é€", "b a", "€b", "😀", "a", "ab", "st", "t", "é", "€", "\n\n", "a b a"]
 requests = st.fixed_dictionaries(
     {"kind": st.sampled_from(["completion", "chat"]),
      "max_tokens": st.one_of(st.none(), st.integers(1, 24)),
      "ids": st.sampled_from([None, True, False]),
-     "stop": st.one_of(st.none(), st.lists(st.sampled_from(["op", "é€", "b a", "€b", "😀"]),
-                                            min_size=1, max_size=2)),
+     # Short stops ("a", "t", "é") complete often, so a stop across the splice is common.
+     "stop": st.one_of(st.none(), st.lists(st.sampled_from(STOPS), min_size=1, max_size=3)),
      "include_stop": st.booleans(),
      "skip_special": st.sampled_from([None, False]),
      "prompt": st.text(alphabet="abc \n", min_size=1, max_size=6)},
