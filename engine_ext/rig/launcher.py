@@ -152,7 +152,9 @@ class Rig:
                 self.cfg.url(rank) + "/v1/completions", data=body,
                 headers={"Content-Type": "application/json"},
             )  # fmt: skip
-            with urllib.request.urlopen(req, timeout=120) as resp:
+            # The first request on a new machine compiles the CPU kernels
+            # (measured: over 120 s on a 2-core box); later ones take seconds.
+            with urllib.request.urlopen(req, timeout=600) as resp:
                 resp.read()
 
         with ThreadPoolExecutor(4 * self.cfg.ranks) as pool:
