@@ -233,11 +233,17 @@ def run_all(
                 port = free_port()
                 try:
                     proc = start(bport, port, tmp)
-                    wait_http(f"http://127.0.0.1:{port}/health")
-                except (Skip, TimeoutError) as e:
+                except Skip as e:
                     print(f"-- {name} skipped: {e}", file=sys.stderr)
                     continue
-                procs[name] = (port, proc)
+                procs[name] = (port, proc)  # ended in the finally below, even if it never answers
+                try:
+                    wait_http(f"http://127.0.0.1:{port}/health")
+                except TimeoutError as e:
+                    print(f"-- {name} skipped: it did not answer {e}", file=sys.stderr)
+                    del procs[name]
+                    proc.kill()
+                    proc.wait(10)
             samples: dict[str, dict[str, list[Sample]]] = {n: {} for n in procs}
 
             async def go() -> None:
