@@ -372,6 +372,9 @@ class LaneReply:
         headers["X-Request-Id"] = self.request_id
         if (rec := accesslog.current()) is not None:
             rec.first_byte()  # a whole answer: out now
+        if status in (204, 304):  # no body, no length: as aiohttp writes them
+            self._write(self._head(status, headers, "\r\n"))
+            return
         self._write(self._head(status, headers, f"Content-Length: {len(body)}\r\n\r\n") + body)
 
     async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:

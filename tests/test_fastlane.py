@@ -18,8 +18,10 @@ import httptools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from multidict import CIMultiDict
 
-from proxy.fastlane import Lane
+from proxy.drain import Drain
+from proxy.fastlane import Lane, LaneReply
 from proxy.server import Running
 from proxy.settings import Settings
 from tests.conftest import settings_for
@@ -302,3 +304,33 @@ def test_a_lane_is_not_built_when_it_is_off() -> None:
     assert Lane.for_app(build_app(Settings(**base))) is not None
     off = Settings(listen={"fast_lane": False}, **base)
     assert Lane.for_app(build_app(off)) is None
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return False
+
+
+class _Conn:
+    def __init__(self) -> None:
+        self.transport = _Transport()
+
+    async def _drain_helper(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_an_answer_without_a_body_has_no_length_either(status: int) -> None:
+    """As aiohttp writes them: neither a body nor a Content-Length for 204 and 304."""
+    conn = _Conn()
+    reply = LaneReply(conn, Drain(), "rid-1", keep_alive=True)  # type: ignore[arg-type]
+    await reply.whole(status, CIMultiDict({"ETag": "x"}), b"ignored")
+    head, _, body = conn.transport.written.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode())
+    assert b"content-length" not in head.lower() and body == b""
