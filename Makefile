@@ -39,7 +39,8 @@ bench-held: setup
 
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) -m bench.relay
+	$(PY) -m bench.relay --lane-off $(if $(BEFORE),--versions $(BEFORE))
+	$(PY) -m bench.floors
 	$(PY) -m bench.accesslog
 	$(PY) -m bench.held
 	$(PY) -m bench.workers

@@ -1,6 +1,7 @@
 """Relay benchmark: ft-proxy beside direct, nginx and vllm-router, in one run.
 
-``python -m bench.relay [--seconds S] [--reps N] [--only NAMES]`` (``make bench``).
+``python -m bench.relay [--seconds S] [--reps N] [--only NAMES] [--versions REVS] [--lane-off]``
+(``make bench``). ``--versions``: earlier ft-proxy revisions beside this one, in the same run.
 
 The fake rank (:mod:`bench.backend`, vLLM's exact bytes) and the load
 generator (:mod:`bench.load`) share one core; each relay under test runs alone
@@ -31,6 +32,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from bench.load import Run, drive
@@ -100,8 +102,11 @@ class Skip(Exception):
 Start = Callable[[int, int, Path], subprocess.Popen[bytes]]
 
 
-def start_proxy(backend: int, port: int, tmp: Path) -> subprocess.Popen[bytes]:
-    cfg = tmp / "ftproxy.yaml"
+def start_proxy(
+    backend: int, port: int, tmp: Path, tree: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """ft-proxy from this checkout, or from ``tree`` (another version's), with ``env`` added."""
+    cfg = tmp / f"ftproxy-{port}.yaml"
     cfg.write_text(
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
         f"groups: [{{name: g, ranks: [{{name: r0, url: 'http://127.0.0.1:{backend}'}}]}}]\n"
@@ -111,8 +116,30 @@ def start_proxy(backend: int, port: int, tmp: Path) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg)]
     # The access log (on, as by default) writes a line per request: keep it
     # off the terminal, in the run's scratch directory.
-    log = (tmp / "ftproxy.log").open("wb")
-    return subprocess.Popen(pinned(0, cmd), stdout=subprocess.DEVNULL, stderr=log)
+    log = (tmp / f"ftproxy-{port}.log").open("wb")
+    run_env = {**os.environ, **(env or {})}
+    if tree is not None:
+        run_env["PYTHONPATH"] = str(tree)
+    return subprocess.Popen(pinned(0, cmd), stdout=subprocess.DEVNULL, stderr=log,
+                            cwd=tree, env=run_env)  # fmt: skip
+
+
+def add_versions(revs: list[str], lane_off: bool, scratch: Path) -> list[str]:
+    """Targets for ft-proxy at other git revisions (checked out under
+    ``scratch``) and with its fast lane off, measured in the same run."""
+    names = []
+    for rev in revs:
+        tree = scratch / f"ftproxy-{rev}"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], check=True,
+                       capture_output=True)  # fmt: skip
+        TARGETS[name := f"ft-proxy@{rev}"] = partial(start_proxy, tree=tree)
+        names.append(name)
+    if lane_off:
+        TARGETS[name := "ft-proxy lane off"] = partial(
+            start_proxy, env={"FTPROXY_LISTEN__FAST_LANE": "false"}
+        )
+        names.append(name)
+    return names
 
 
 def _nginx() -> str:
@@ -319,7 +346,11 @@ def plot(res: dict[str, dict[str, Sample]], path: Path) -> bool:
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
     for ax, (title, values) in zip(axes, panels, strict=True):
-        ax.bar(names, values, color=["#d62728" if n == "ft-proxy" else "#7f7f7f" for n in names])
+        ax.bar(
+            names,
+            values,
+            color=["#d62728" if n.startswith("ft-proxy") else "#7f7f7f" for n in names],
+        )
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         if title.startswith("first"):
@@ -337,13 +368,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--profile", type=Path,
                         help="py-spy ft-proxy: PATH-{streams,small}.svg (other: raw)")  # fmt: skip
+    parser.add_argument(
+        "--versions", default="", help="comma-separated git revisions of ft-proxy to measure beside"
+    )
+    parser.add_argument("--lane-off", action="store_true",
+                        help="also measure ft-proxy with listen.fast_lane off")  # fmt: skip
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n in TARGETS]
-    try:
-        res = run_all(names, args.seconds, args.reps, args.profile)
-    except Invalid as e:
-        print(f"\nRUN REJECTED: a relayed answer was wrong, so no figures: {e}", file=sys.stderr)
-        sys.exit(2)
+    with tempfile.TemporaryDirectory() as scratch:
+        revs = [r for r in args.versions.split(",") if r]
+        names += add_versions(revs, args.lane_off, Path(scratch))
+        try:
+            res = run_all(names, args.seconds, args.reps, args.profile)
+        except Invalid as e:
+            print(f"\nRUN REJECTED: a relayed answer was wrong, so no figures: {e}",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)
+        finally:
+            for rev in revs:
+                tree = str(Path(scratch) / f"ftproxy-{rev}")
+                subprocess.run(["git", "worktree", "remove", "--force", tree], capture_output=True)
     cmd = "python -m bench.relay " + " ".join(sys.argv[1:])
     md = table(res, cmd.strip())
     print("\n" + md)
