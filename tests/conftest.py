@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import socket
 import sys
@@ -18,6 +19,7 @@ from hypothesis import settings as hypothesis_settings
 from proxy.ranks import RankTable
 from proxy.server import Running, start
 from proxy.settings import Settings
+from proxy.state import ACCESS_LOG
 from tests.fakes import FakeRank
 
 FAST_POLL_S = 0.05
@@ -140,3 +142,12 @@ async def serve_process(
     proc.kill()
     await proc.wait()
     raise AssertionError(f"the proxy did not answer on {url} within 15 s")
+
+
+def capture_access_log(p: Running) -> io.StringIO:
+    """The proxy's access-log lines from now on, into a buffer the test reads."""
+    out = io.StringIO()
+    access = p.app[ACCESS_LOG]
+    assert access is not None
+    access.stream = out
+    return out

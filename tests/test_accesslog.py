@@ -20,21 +20,13 @@ from proxy.accesslog import AccessLog, AccessRecord, End
 from proxy.feed import PushFeed
 from proxy.metrics import Metrics
 from proxy.ranks import RankTable
-from proxy.server import Running
 from proxy.settings import Settings, Timeouts
 from proxy.state import ACCESS_LOG, METRICS
+from tests.conftest import capture_access_log as capture
 from tests.conftest import replicas, settings_for
 
 HOLD = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0}
 JSON_LOGS = {"access_log": True, "format": "json"}
-
-
-def capture(p: Running) -> io.StringIO:
-    out = io.StringIO()
-    access = p.app[ACCESS_LOG]
-    assert access is not None
-    access.stream = out
-    return out
 
 
 async def lines(out: io.StringIO, n: int) -> list[dict[str, Any]]:

@@ -5,10 +5,10 @@ that die and come back."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -65,6 +65,7 @@ def test_random_bytes_and_shapes_never_raise_anything_else() -> None:
     rnd = random.Random(9)
     values: list[Any] = [None, True, 0, -1, 1.5, float("inf"), "", "x", [], {}, [{}], {"a": 1}]
     keys = ["v", "kind", "boot_id", "seq", "ts", "engines"]
+    outcomes: Counter[str] = Counter()
     for _ in range(5000):
         if rnd.random() < 0.3:
             frames = [protocol.TOPIC, rnd.randbytes(rnd.randint(0, 64))]
@@ -73,8 +74,13 @@ def test_random_bytes_and_shapes_never_raise_anything_else() -> None:
             for k in rnd.sample(keys, rnd.randint(1, 3)):
                 body[k] = rnd.choice(values)
             frames = [protocol.TOPIC, json.dumps(body).encode()]
-        with contextlib.suppress(Dropped):  # and nothing else
+        try:
             parse(frames)
+            outcomes["parsed"] += 1
+        except Dropped:  # and nothing else: any other exception fails the test
+            outcomes["dropped"] += 1
+    assert outcomes["parsed"] + outcomes["dropped"] == 5000
+    assert outcomes["dropped"] > 0 and outcomes["parsed"] > 0  # both kinds were drawn
 
 
 def test_order_drops_old_seqs_and_replaced_boots() -> None:

@@ -144,10 +144,13 @@ def _without_merge_timing(real: dict[str, Any], fake: dict[str, Any]) -> None:
         fake.pop("middle", None)
 
 
-async def both(engines: Engines, facts: Callable[[Ask], Awaitable[dict[str, Any]]]) -> None:
+async def both(
+    engines: Engines, facts: Callable[[Ask], Awaitable[dict[str, Any]]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same facts from the real rank and from the fake (each test asserts they agree)."""
     real, fake = await facts(engines["real"][1]), await facts(engines["fake"][1])
     _without_merge_timing(real, fake)
-    assert fake == real, f"fake differs from vLLM:\nreal {real}\nfake {fake}"
+    return real, fake
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -160,7 +163,8 @@ async def test_default_max_tokens_completions_is_16(engines: Engines) -> None:
         return {"status": r.status, "tokens": usage(r)["completion_tokens"],
                 "finish": first_choice(r)["finish_reason"]}  # fmt: skip
 
-    await both(engines, facts)
+    real, fake = await both(engines, facts)
+    assert fake == real, f"fake differs from vLLM:\nreal {real}\nfake {fake}"
 
 
 async def test_default_max_tokens_chat_is_the_rest_of_the_context(engines: Engines) -> None:
@@ -170,7 +174,8 @@ async def test_default_max_tokens_chat_is_the_rest_of_the_context(engines: Engin
         fills = u["prompt_tokens"] + u["completion_tokens"] == MAX_MODEL_LEN
         return {"status": r.status, "finish": first_choice(r)["finish_reason"], "fills": fills}
 
-    await both(engines, facts)
+    real, fake = await both(engines, facts)
+    assert fake == real, f"fake differs from vLLM:\nreal {real}\nfake {fake}"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -183,7 +188,8 @@ async def test_string_false_is_false(engines: Engines, stream: bool) -> None:
         r = await ask("/v1/completions", body)
         return stream_facts(r) if stream else {"status": r.status, **choice_shape(first_choice(r))}
 
-    await both(engines, facts)
+    real, fake = await both(engines, facts)
+    assert fake == real, f"fake differs from vLLM:\nreal {real}\nfake {fake}"
 
 
 async def test_null_fields_take_the_defaults(engines: Engines) -> None:
@@ -194,7 +200,8 @@ async def test_null_fields_take_the_defaults(engines: Engines) -> None:
         return {"status": r.status, "tokens": usage(r)["completion_tokens"],
                 **choice_shape(first_choice(r))}  # fmt: skip
 
-    await both(engines, facts)
+    real, fake = await both(engines, facts)
+    assert fake == real, f"fake differs from vLLM:\nreal {real}\nfake {fake}"
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -210,7 +217,8 @@ async def test_stream_shape(engines: Engines, path: str, ids: bool) -> None:
         return {**stream_facts(r), "usage_last": kind(usage_chunk.get("usage")),
                 "usage_choices": usage_chunk.get("choices")}  # fmt: skip
 
-    await both(engines, facts)
+    real, fake = await both(engines, facts)
+    assert fake == real, f"fake differs from vLLM:\nreal {real}\nfake {fake}"
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -228,7 +236,8 @@ async def test_stop_string_reason_and_cut(engines: Engines, path: str, stream: b
         return {"finish": last["finish_reason"], "stop_reason_named": last["stop_reason"] == stop,
                 "text_cut_before_it": text_of(r) == full[: full.index(stop)]}  # fmt: skip
 
-    await both(engines, facts)
+    real, fake = await both(engines, facts)
+    assert fake == real, f"fake differs from vLLM:\nreal {real}\nfake {fake}"
 
 
 async def test_abort_chunk_on_a_fault(engines: Engines, rig: LiveRig) -> None:
