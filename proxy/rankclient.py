@@ -237,7 +237,6 @@ class RankResponse:
         self._conn: _Conn | None = conn
         self.status = 0
         self._raw_headers: list[tuple[bytes, bytes]] = []
-        self._headers: CIMultiDict[str] | None = None
         self.keep_alive = False
         self.complete = False
         self._until_eof = False
@@ -303,12 +302,6 @@ class RankResponse:
             if self._exc is not None:
                 raise self._exc
             await self._wait()
-
-    @property
-    def headers(self) -> CIMultiDict[str]:
-        if self._headers is None:
-            self._headers = CIMultiDict(self.header_items())
-        return self._headers
 
     def header_items(self) -> Iterator[tuple[str, str]]:
         """The headers as sent, in order, without building a multidict."""

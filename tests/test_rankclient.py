@@ -81,7 +81,7 @@ async def test_keep_alive_answers_reuse_one_connection_and_send_the_request_exac
     for _ in range(3):
         resp = await client.request("POST", url, headers, b'{"a":1}')
         assert resp.status == 200 and resp.content_type == "application/json"
-        assert resp.headers["Content-Length"] == "2" and await resp.read() == b"{}"
+        assert resp.header(b"content-length") == "2" and await resp.read() == b"{}"
         resp.release()
     await client.close()
     assert conns == 1
