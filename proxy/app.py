@@ -93,7 +93,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         raise
     finally:
         if rec.end is None:
-            rec.end = End.FINISHED if rec.status < 400 else accesslog.end_for(rec.status)
+            rec.end = accesslog.end_for(rec.status)  # finished below 400
         access.write(rec)
         accesslog.CURRENT.reset(token)
 
