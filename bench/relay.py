@@ -65,18 +65,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time of ``pid`` and its children (nginx's worker), threads included."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, kernel) CPU time of ``pid`` and its children (nginx's worker), threads included."""
     tck = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    user = kernel = 0.0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if stat.parent.name == str(pid) or int(fields[1]) == pid:
-            total += (int(fields[11]) + int(fields[12])) / tck
-    return total
+            user += int(fields[11]) / tck
+            kernel += int(fields[12]) / tck
+    return user, kernel
 
 
 def wait_http(url: str, timeout: float = 60.0) -> None:
@@ -204,6 +205,7 @@ TARGETS: dict[str, Start | None] = {
 class Sample:
     rate: float  # events/s or requests/s
     cpu_us: float  # relay CPU per unit (nan for direct)
+    sys_us: float  # of which in the kernel
     p50: float
     p99: float
 
@@ -212,12 +214,16 @@ async def _measure(
     port: int, pid: int | None, w: Workload, seconds: float, profile: Path | None = None
 ) -> Sample:
     spy = _profiler(pid, profile, seconds) if pid and profile else None
-    c0 = cpu_seconds(pid) if pid else 0.0
+    u0, k0 = cpu_seconds(pid) if pid else (0.0, 0.0)
     run: Run = await drive("127.0.0.1", port, w.concurrency, seconds, w.stream, w.asks)
     if spy is not None:
         spy.wait(30)
-    cpu = (cpu_seconds(pid) - c0) / max(run.units, 1) * 1e6 if pid else float("nan")
-    return Sample(run.rate, cpu, run.pct(0.5), run.pct(0.99))
+    user = kernel = float("nan")
+    if pid:
+        u1, k1 = cpu_seconds(pid)
+        per = 1e6 / max(run.units, 1)
+        user, kernel = (u1 - u0) * per, (k1 - k0) * per
+    return Sample(run.rate, user + kernel, kernel, run.pct(0.5), run.pct(0.99))
 
 
 def _profiler(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes] | None:
@@ -236,7 +242,7 @@ def _median(samples: list[Sample]) -> Sample:
     def med(f: Callable[[Sample], float]) -> float:
         return statistics.median(f(s) for s in samples)
 
-    return Sample(med(lambda s: s.rate), med(lambda s: s.cpu_us),
+    return Sample(med(lambda s: s.rate), med(lambda s: s.cpu_us), med(lambda s: s.sys_us),
                   med(lambda s: s.p50), med(lambda s: s.p99))  # fmt: skip
 
 
@@ -313,10 +319,12 @@ def table(res: dict[str, dict[str, Sample]], cmd: str) -> str:
     rows: list[tuple[str, Cell]] = [
         ("streams: events/s x direct", lambda s: _f(s["streams"].rate / d["streams"].rate, ".2f")),
         ("streams: relay CPU µs per event", lambda s: _f(s["streams"].cpu_us, ".1f")),
+        ("streams: of which kernel µs", lambda s: _f(s["streams"].sys_us, ".1f")),
         ("streams: first event p50 / p99 ms",
          lambda s: f"{s['streams'].p50:.1f} / {s['streams'].p99:.1f}"),
         ("small: requests/s x direct", lambda s: _f(s["small"].rate / d["small"].rate, ".2f")),
         ("small: relay CPU µs per request", lambda s: _f(s["small"].cpu_us, ".0f")),
+        ("small: of which kernel µs", lambda s: _f(s["small"].sys_us, ".0f")),
         ("small: answer p50 / p99 ms", lambda s: f"{s['small'].p50:.1f} / {s['small'].p99:.1f}"),
     ]  # fmt: skip
     out = ["| workload | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]

@@ -46,7 +46,7 @@ def tree_cpu(pid: int) -> float:
         kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         kids = []
-    return cpu_seconds(pid) + sum(cpu_seconds(int(k)) for k in kids)
+    return sum(sum(cpu_seconds(p)) for p in [pid, *map(int, kids)])
 
 
 async def measure(port: int, pid: int, seconds: float, reps: int) -> tuple[float, float]:
