@@ -127,16 +127,27 @@ class Drain:
 
     # -- the shutdown side ----------------------------------------------------
     async def wait_idle(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bool, not an error
-        """Wait until nothing is in flight, the timeout passes, or ``hurry`` is set."""
-        idle, hurry = (
-            asyncio.ensure_future(self._idle.wait()),
-            asyncio.ensure_future(self.hurry.wait()),
-        )
-        try:
-            await asyncio.wait([idle, hurry], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            idle.cancel()
-            hurry.cancel()
+        """Wait until nothing is in flight, the timeout passes, or ``hurry`` is set.
+
+        Idle must hold when this wakes: a kept-alive client may send a new
+        request between the last one leaving and this task running, and the
+        grace period is for that one too, not a reason to cut everything.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._in_flight and not self.hurry.is_set():
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            idle, hurry = (
+                asyncio.ensure_future(self._idle.wait()),
+                asyncio.ensure_future(self.hurry.wait()),
+            )
+            try:
+                await asyncio.wait([idle, hurry], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                idle.cancel()
+                hurry.cancel()
         return not self._in_flight
 
     def cut(self) -> int:

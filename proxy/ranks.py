@@ -172,8 +172,9 @@ class RankTable:
         ranks = list(self.ranks.values())
         if model is None or not ranks or any(r.models is None for r in ranks):
             return None
-        names = sorted({m for r in ranks for m in r.models or ()})
-        return None if model in names else names
+        if any(model in (r.models or ()) for r in ranks):
+            return None  # the common case, per request: no set built
+        return sorted({m for r in ranks for m in r.models or ()})
 
     def observe(
         self,

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 import yaml
 
+from proxy.drain import Drain
 from tests.conftest import free_port, serve_process, settings_for
 
 LONG = {"prompt": "x", "max_tokens": 400, "stream": True}  # ~20 s at 50 ms a token
@@ -135,3 +136,34 @@ async def test_sigterm_to_the_process(fakes, http, tmp_path: Path, grace_s: floa
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_grace_survives_a_request_that_arrives_as_the_last_one_leaves() -> None:
+    """Idle for a moment is not idle: a kept-alive client's next request,
+    entering just after the last one left, still gets the whole grace period."""
+    drain = Drain()
+    first = drain.enter()
+    loop = asyncio.get_running_loop()
+
+    def hand_over() -> None:  # the last request leaves; another enters before wait_idle wakes
+        drain.leave(first)
+        second = drain.enter()
+        loop.call_later(0.3, drain.leave, second)
+
+    loop.call_later(0.05, hand_over)
+    started = loop.time()
+    assert await drain.wait_idle(5.0)
+    assert loop.time() - started >= 0.3
+    assert drain.in_flight == 0
+
+
+async def test_wait_idle_ends_at_its_timeout_and_on_hurry() -> None:
+    drain = Drain()
+    drain.enter()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert not await drain.wait_idle(0.1)
+    assert loop.time() - started >= 0.1
+    loop.call_later(0.05, drain.hurry.set)
+    assert not await drain.wait_idle(5.0)
+    assert loop.time() - started < 2.0
