@@ -22,7 +22,8 @@ from proxy.inbound import read_body
 from proxy.ranks import RankTable
 from proxy.recovery import RECOVERED, RoundReport, RoundSpec
 from proxy.settings import ConfigError, load_settings
-from proxy.state import CONFIG_PATH, SETTINGS, TABLE
+from proxy.state import CONFIG_PATH, LISTENER_TLS, SETTINGS, TABLE
+from proxy.tls import ListenerTLS
 
 log = logging.getLogger("ftproxy.admin")
 
@@ -187,13 +188,28 @@ def reload_config(app: web.Application) -> dict[str, Any]:
         raise BadRequest("the proxy was not started from a config file")
     try:
         fresh = load_settings(path)
-    except ConfigError as e:
+        tls_reloaded = _reload_listener_tls(app, fresh.listen.tls)
+    except (ConfigError, ValueError) as e:
         raise BadRequest(f"config not reloaded: {e}") from None
-    diff = app[TABLE].apply(fresh.groups)
+    diff: dict[str, Any] = app[TABLE].apply(fresh.groups)
     apply_weights(app[TABLE], app[WEIGHTS])  # shared overrides outlive a reload
     apply_removed(app[TABLE], app[REMOVED])
+    if tls_reloaded:
+        diff["listener_tls"] = "reloaded"
     log.info("config reloaded from %s: %s", path, diff)
     return diff
+
+
+def _reload_listener_tls(app: web.Application, tls: ListenerTLS | None) -> bool:
+    """The certificate files, read again into the live listener (rotation)."""
+    live = app.get(LISTENER_TLS)
+    if (live is None) != (tls is None):
+        log.warning("reload: turning listen.tls on or off takes a restart; left as it was")
+        return False
+    if live is None or tls is None:
+        return False
+    tls.load_into(live)
+    return True
 
 
 WEIGHTS = web.AppKey("weight_overrides", dict[str, int])

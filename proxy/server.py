@@ -21,7 +21,7 @@ from proxy.errors import ProxyError
 from proxy.fastlane import Lane
 from proxy.listener import OpenAIErrorsServer, Runner, TLSSite, TLSSockSite
 from proxy.settings import Settings
-from proxy.state import SETTINGS
+from proxy.state import LISTENER_TLS, SETTINGS
 
 log = logging.getLogger("ftproxy.server")
 
@@ -81,6 +81,10 @@ async def start(
     proxy.supervisor) instead of binding ``listen``.
     """
     app = build_app(settings, config_path, coord)
+    tls = settings.listen.tls
+    ctx = tls.context() if tls is not None else None
+    if ctx is not None:
+        app[LISTENER_TLS] = ctx  # the config reload rotates its certificate
     # handler_cancellation: a client that disconnects cancels its handler,
     # which closes the upstream request at once.
     runner = Runner(
@@ -91,8 +95,6 @@ async def start(
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     await runner.setup()
-    tls = settings.listen.tls
-    ctx = tls.context() if tls is not None else None
     host, port = settings.listen.host, settings.listen.port
     handshake_s = settings.limits.header_timeout_s  # a TLS handshake counts as header time
     site: web.BaseSite

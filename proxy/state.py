@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 import aiohttp
@@ -28,4 +29,6 @@ RELAY = web.AppKey("relay", Relay)
 RECOVERY = web.AppKey("recovery", Recovery)
 CONFIG_PATH = web.AppKey("config_path", Path)
 LIMIT = web.AppKey("limit", RequestLimit)
+# The HTTPS listener's context, reloaded in place with the config (SIGHUP).
+LISTENER_TLS = web.AppKey("listener_tls", ssl.SSLContext)
 REQUEST_ID = web.RequestKey("request_id", str)

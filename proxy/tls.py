@@ -49,13 +49,21 @@ class ListenerTLS(BaseModel):
 
     def context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        _load_chain(ctx, self.cert_file, self.key_file)
+        self.load_into(ctx)
         if self.client_ca_file is not None:
-            _load_ca(ctx, self.client_ca_file, "client_ca_file")
             ctx.verify_mode = ssl.CERT_REQUIRED
         # The listener speaks HTTP/1.1 only; say so, so a client never tries h2.
         ctx.set_alpn_protocols(["http/1.1"])
         return ctx
+
+    def load_into(self, ctx: ssl.SSLContext) -> None:
+        """Load the files into ``ctx``: at start, and on reload into the
+        listener's live context, whose later handshakes then use them (a
+        rotated certificate needs no restart). A client CA is added to the
+        ones trusted; dropping one takes a restart (OpenSSL cannot unload)."""
+        _load_chain(ctx, self.cert_file, self.key_file)
+        if self.client_ca_file is not None:
+            _load_ca(ctx, self.client_ca_file, "client_ca_file")
 
 
 class UpstreamTLS(BaseModel):

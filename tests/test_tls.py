@@ -267,3 +267,47 @@ async def test_cli_talks_to_a_tls_proxy_with_its_ca(fakes, proxy, certs) -> None
     assert code == 0 and b"healthy" in out, out
     code, out = await status()  # the system store does not know this CA
     assert code == 1 and b"cannot reach" in out, out
+
+
+async def test_a_reload_rotates_the_listener_certificate(fakes, https, certs, other,
+                                                         tmp_path: Path) -> None:  # fmt: skip
+    """SIGHUP or /admin/reload reads the certificate files again: new
+    handshakes get the new certificate, with no restart; a broken file is
+    refused and the one in use stays."""
+    from proxy.server import start
+
+    a = await fakes(name="a")
+    served = tmp_path / "served.pem"  # the path the config names, rewritten by "rotation"
+    served.write_bytes(certs.server_file.read_bytes())
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": 0, "tls": {"cert_file": str(served)}},
+        "groups": [{"name": "g", "ranks": [{"name": "a", "url": a.url}]}],
+        "admin": {"token": "adm"},
+    }))  # fmt: skip
+    running = await start(load_settings(cfg), cfg)
+    auth = {"Authorization": "Bearer adm"}
+
+    async def handshake_ok(trusting: Certs) -> bool:
+        try:
+            async with https(trusting.client_context()).get(running.url + "/live") as r:
+                return r.status == 200
+        except aiohttp.ClientConnectorError:
+            return False
+
+    try:
+        assert await handshake_ok(certs) and not await handshake_ok(other)
+        served.write_bytes(other.server_file.read_bytes())
+        async with https(certs.client_context()).post(running.url + "/admin/reload",
+                                                      headers=auth) as r:  # fmt: skip
+            assert r.status == 200 and (await r.json())["listener_tls"] == "reloaded"
+        assert await handshake_ok(other) and not await handshake_ok(certs)
+
+        served.write_text("not a certificate\n")
+        async with https(other.client_context()).post(running.url + "/admin/reload",
+                                                      headers=auth) as r:  # fmt: skip
+            body = await r.json()
+            assert r.status == 400 and "config not reloaded" in body["error"]["message"]
+        assert await handshake_ok(other)  # the certificate in use stays
+    finally:
+        await running.stop()
