@@ -23,12 +23,13 @@ import os
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import httptools
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
-from aiohttp.http_parser import SINGLETON_HEADERS
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_parser import SINGLETON_HEADERS, HttpRequestParser
 from multidict import CIMultiDict
 
 from proxy import accesslog, drain, generation
@@ -287,12 +288,16 @@ class Lane:
 
 
 def _valid_so_far(part: bytes) -> bool:
-    """Whether a head still coming is valid HTTP so far: bytes aiohttp's
-    parser refuses at once (a NUL, a bare LF) are its to answer now, not a
-    header timeout's later."""
+    """Whether aiohttp's parser takes a head still coming so far: what it
+    refuses at once is its to answer now, not a header timeout's later. Its
+    own parser, not httptools: beyond llhttp's errors (a NUL, a bare LF) it
+    refuses a repeated singleton header and a 129th header as it reads them."""
+    # Limits as the Runner leaves them. No protocol or loop: they are only
+    # used once the headers are complete, and a head still coming is not.
+    parser = HttpRequestParser(cast(Any, None), cast(Any, None), 2**16)
     try:
-        _Head().parser.feed_data(part)
-    except _PARSE_ERRORS:
+        parser.feed_data(part)
+    except HttpProcessingError:
         return False
     return True
 
