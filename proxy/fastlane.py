@@ -38,6 +38,7 @@ from proxy.app import forward_v1
 from proxy.errors import ProxyError, error_response
 from proxy.fields import parse_object
 from proxy.inbound import RequestTimeout, check_api_key, client_request_id
+from proxy.limits import Overloaded
 from proxy.sink import ChunkSink, Sink
 from proxy.state import ACCESS_LOG, LIMIT, METRICS, SETTINGS, TRACING
 from proxy.target import parse_forward
@@ -80,6 +81,9 @@ class Request:
     body_late: Late | None = None
     # The drain's record of it while its body came, left once it has its own.
     waited: drain.InFlight | None = None
+    # It holds a place in the request limit: taken when its headers came and
+    # its body had not, as aiohttp's path takes it (Lane.release gives it back).
+    admitted: bool = False
 
 
 class _Head:
@@ -195,6 +199,21 @@ class Lane:
             return None  # aiohttp's path parses the type and refuses others
         return head, Request(path, headers, b"", head.keep_alive), head_end + 4, length
 
+    # -- the request limit ------------------------------------------------------
+    def admit(self) -> bool:
+        """Take a place in the request limit; False: it is full."""
+        try:
+            self.limit.admit()
+        except Overloaded:
+            return False
+        return True
+
+    def release(self, req: Request) -> None:
+        """Give back ``req``'s place in the limit, if it holds one (once)."""
+        if req.admitted:
+            req.admitted = False
+            self.limit.release()
+
     # -- answering -----------------------------------------------------------
     async def serve(self, conn: Connection, req: Request) -> bool:
         """Answer ``req`` as the middlewares and ``proxy_v1`` would; True if
@@ -256,11 +275,13 @@ class Lane:
     async def _answered(self, req: Request, reply: LaneReply, request_id: str) -> None:
         """The error middleware's part: every error is an OpenAI-shaped answer."""
         try:
-            self.limit.admit()
+            if not req.admitted:
+                self.limit.admit()
+                req.admitted = True
             try:
                 await self._forward(req, reply, request_id)
             finally:
-                self.limit.release()
+                self.release(req)
         except ProxyError as err:
             log.info("[%s] POST %s -> %d %s", request_id, req.path, err.status, err.message)
             accesslog.refused(self.metrics, err)

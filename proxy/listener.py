@@ -80,6 +80,7 @@ class OpenAIErrorsHandler(RequestHandler):
     _lane_need = 0
     _body_timer: asyncio.TimerHandle | None = None
     _body_wait: InFlight | None = None  # the drain's record of that request
+    _body_admitted = False  # it holds a place in the request limit
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._lane_parts = []
@@ -150,6 +151,13 @@ class OpenAIErrorsHandler(RequestHandler):
             return False
         self._lane_parts = [buf]  # ours so far: read on
         if taken and self._body_timer is None:
+            # Its headers are in: it counts against the request limit from
+            # now, as on aiohttp's path, whose limit middleware runs before
+            # the body is read. At the limit, that path answers 503 at once.
+            if not lane.admit():
+                self._lane_off = True
+                return True
+            self._body_admitted = True
             self._lane_need = taken
             self._disarm_header_timer()  # the headers are in
             # A request has begun: not idle, whatever the keep-alive time says
@@ -173,6 +181,9 @@ class OpenAIErrorsHandler(RequestHandler):
         if self._body_wait is not None and self.lane is not None:
             self.lane.drain.leave(self._body_wait)
             self._body_wait = None
+        if self._body_admitted and self.lane is not None:
+            self._body_admitted = False
+            self.lane.limit.release()
 
     def _body_timeout(self) -> None:
         """Answered through the lane (access log, metrics, request id), as
@@ -196,11 +207,15 @@ class OpenAIErrorsHandler(RequestHandler):
 
     def _lane_start(self, request: Request, rest: bytes) -> None:
         waited, self._body_wait = self._body_wait, None
+        request.admitted, self._body_admitted = self._body_admitted, False
         self._disarm_header_timer()
         self._disarm_body_timer()
         self._cancel_keepalive()
         self._lane_pending = rest
         task = self._lane_task = self._loop.create_task(self._lane_serve(request))
+        lane = self.lane
+        if request.admitted and lane is not None:  # given back however the task ends
+            task.add_done_callback(lambda _: lane.release(request))
         if waited is not None and self.lane is not None:
             # In flight until the task's own entry is (Lane.serve leaves it):
             # the drain never sees an idle moment between the two.

@@ -5,12 +5,16 @@ streams on which the lane and aiohttp's path part on purpose.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.server import Running
-from tests.test_fastlane import BODY, _lane, both, head
+from proxy.state import LIMIT
+from tests.conftest import settings_for
+from tests.test_fastlane import BODY, _lane, both, exchange, head
 from tests.test_fastlane_review import _pair_with, aiohttp_reads
 
 _LINE = b"POST /v1/completions HTTP/1.1\r\n"
@@ -62,3 +66,85 @@ async def test_a_head_aiohttp_refuses_before_its_end_is_refused_at_once(lanes, m
     raw = head(BODY).removesuffix(b"\r\n") + more  # no end of head: the client stalls
     (answer,) = await both(lanes, raw)
     assert answer.status == 400
+
+
+# -- the request limit -------------------------------------------------------------
+async def _answer_within(reader: asyncio.StreamReader, wait_s: float) -> int | None:
+    """The status of the answer that comes within ``wait_s``, or None."""
+    try:
+        line = await asyncio.wait_for(reader.readline(), wait_s)
+    except TimeoutError:
+        return None
+    return int(line.split()[1]) if line else None
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_a_request_whose_body_is_coming_holds_its_place_in_the_limit(
+    fakes, proxy, lane
+) -> None:
+    """Its headers are in: it counts against limits.max_requests, as on
+    aiohttp's path (whose limit middleware runs once headers are parsed), so
+    a whole request after it is refused and it is then answered."""
+    rank = await fakes(name="a")
+    s = settings_for([rank], limits={"max_requests": 1})
+    s.listen.fast_lane = lane
+    p = await proxy(s)
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        writer.write(head(BODY))  # the body is still coming
+        await asyncio.sleep(0.2)
+        (other,) = await exchange(p.port, head(BODY) + BODY)
+        assert other.status == 503 and other.headers["retry-after"] == "1"
+        writer.write(BODY)
+        assert await _answer_within(reader, 5) == 200
+    finally:
+        writer.close()
+    assert p.app[LIMIT].in_flight == 0
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_headers_at_the_limit_are_refused_before_the_body(fakes, proxy, lane) -> None:
+    """At the limit when its headers come: 503 at once, as on aiohttp's path,
+    not after the client has sent (and the proxy has held) the whole body."""
+    rank = await fakes(name="a", token_delay_s=0.02)
+    s = settings_for([rank], limits={"max_requests": 1})
+    s.listen.fast_lane = lane
+    p = await proxy(s)
+    long = b'{"model": "fake-model", "prompt": "x", "max_tokens": 100, "stream": true}'
+    r1, w1 = await asyncio.open_connection("127.0.0.1", p.port)
+    r2, w2 = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        w1.write(head(long) + long)
+        await asyncio.wait_for(r1.readuntil(b"data: "), 5)  # it holds the one place
+        w2.write(head(BODY))
+        assert await _answer_within(r2, 1.5) == 503
+    finally:
+        w1.close()
+        w2.close()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+@pytest.mark.parametrize("end", ["client leaves", "body timeout"])
+async def test_a_body_that_never_comes_gives_its_place_back(fakes, proxy, lane, end) -> None:
+    rank = await fakes(name="a")
+    s = settings_for([rank], limits={"max_requests": 1, "body_timeout_s": 0.3})
+    s.listen.fast_lane = lane
+    p = await proxy(s)
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        writer.write(head(BODY) + BODY[:5])
+        await asyncio.sleep(0.1)
+        assert p.app[LIMIT].in_flight == 1
+        if end == "client leaves":
+            writer.close()
+        else:
+            assert await _answer_within(reader, 3) == 408
+    finally:
+        writer.close()
+    for _ in range(50):
+        if p.app[LIMIT].in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert p.app[LIMIT].in_flight == 0
+    (after,) = await exchange(p.port, head(BODY) + BODY)
+    assert after.status == 200
