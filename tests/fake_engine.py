@@ -15,6 +15,12 @@ What it copies, because the splice depends on it:
   abort chunk;
 * the abort chunk: ``finish_reason: "abort"``, and it may carry the ids of
   the step that faulted;
+* ``min_tokens``: the stop token ids and EOS are masked before it, and a stop
+  string is looked for only in text of tokens past it (with the stop
+  string's length less one characters before them), as vLLM 0.32's
+  detokenizer does;
+* ``stop_token_ids`` and EOS (unless ``ignore_eos``) end the answer; their
+  text is in the output only with ``include_stop_str_in_output``;
 * several tokens merged into one chunk (vLLM under load);
 * the echo: a token-id prompt whose text ends inside a character makes the
   detokenizer put the prompt's text in front of the first output text.
@@ -66,7 +72,7 @@ def detokenize(ids: list[int]) -> str:
     return b"".join(TOKENS[i] for i in ids).decode(errors="replace")
 
 
-def next_token(context: list[int]) -> int:
+def next_token(context: list[int], masked: frozenset[int] = frozenset()) -> int:
     # Walk the words from the start of the context: inside a word, its next
     # token; between words, one chosen by a hash of the recent context.
     partial: list[int] = []
@@ -81,13 +87,20 @@ def next_token(context: list[int]) -> int:
     options = [
         w[len(partial)] for w in WORDS if w[: len(partial)] == partial and len(w) > len(partial)
     ]
+    # Masked tokens (vLLM's min_tokens processor) are never sampled: the next
+    # option is, so the answer is the same up to where one would have been.
+    for i in range(len(options)):
+        if (t := options[(h + i) % len(options)]) not in masked:
+            return t
     return options[h % len(options)]
 
 
-def generate(prompt: list[int], n: int) -> list[int]:
+def generate(
+    prompt: list[int], n: int, min_tokens: int = 0, stop_ids: frozenset[int] = frozenset()
+) -> list[int]:
     ctx = list(prompt)
-    for _ in range(n):
-        ctx.append(next_token(ctx))
+    for i in range(n):
+        ctx.append(next_token(ctx, stop_ids | {EOS} if i < min_tokens else frozenset()))
     return ctx[len(prompt) :]
 
 
@@ -135,6 +148,7 @@ class _Run:
     fault: Fault | None
     released: str = ""  # text decodable so far (the detokenizer's output)
     sent: int = 0  # of it, sent (the rest is held for stop strings)
+    count: int = 0  # output tokens so far
 
     def events(self) -> Iterator[Any]:
         body, chat = self.body, self.chat
@@ -142,7 +156,7 @@ class _Run:
         stops = body.get("stop") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
         n = _budget(body, self.prompt, chat)
-        out = generate(self.prompt, n)
+        out = generate(self.prompt, n, self._min_tokens(), self._stop_ids())
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # vLLM's decoder, primed with a token-id prompt whose text ends inside
         # a character, echoes the prompt's text into the first output text.
@@ -195,29 +209,47 @@ class _Run:
 
     def _add(
         self, dec: Any, ids: list[int], skip: bool, stops: list[str], last: bool
-    ) -> tuple[str, str | None, str | None, int]:
+    ) -> tuple[str, str | None, str | int | None, int]:
         """(text to send, finish_reason, stop_reason, ids used) after ``ids``:
-        a stop string ends the output at the token that completes it."""
+        a stop string or stop token ends the output at the token that
+        completes it. One token per engine step, as vLLM detokenizes."""
+        include = _lax_bool(self.body.get("include_stop_str_in_output"))
         for used, t in enumerate(ids, 1):
-            if not (t in SPECIAL and skip):
+            self.count += 1
+            stop_id = t in self._stop_ids()
+            # The scheduler's check_stop; min_tokens masked these before.
+            term = stop_id or (t == EOS and not _lax_bool(self.body.get("ignore_eos")))
+            before = len(self.released)
+            # A stop token's text is decoded only when stop strings are kept.
+            if not (t in SPECIAL and skip) and not (term and not include):
                 self.released += dec.decode(TOKENS[t], final=False)
-            for s in stops:
-                at = self.released.find(s)
+            new = len(self.released) - before
+            for s in stops if new and self.count > self._min_tokens() else []:
+                at = self.released.find(s, max(len(self.released) - new - len(s) + 1, 0))
                 if at >= 0:
-                    end = at + len(s) if self.body.get("include_stop_str_in_output") else at
+                    end = at + len(s) if include else at
                     out = self.released[self.sent : end]
                     self.sent = len(self.released)
                     return out, "stop", s, used
+            if term:
+                out, self.sent = self.released[self.sent :], len(self.released)
+                return out, "stop", t if stop_id else None, used
         # vLLM holds text back only when the stop string is to be cut from
         # the output (``stop_buffer_length`` of its incremental detokenizer).
-        cut = bool(stops) and not self.body.get("include_stop_str_in_output")
+        cut = bool(stops) and not include
         hold = max(map(len, stops)) - 1 if cut and not last else 0
         upto = max(len(self.released) - hold, self.sent)
         out, self.sent = self.released[self.sent : upto], upto
         return out, "length" if last else None, None, len(ids)
 
+    def _min_tokens(self) -> int:
+        return int(self.body.get("min_tokens") or 0)
+
+    def _stop_ids(self) -> frozenset[int]:
+        return frozenset(self.body.get("stop_token_ids") or ())
+
     def _chunk(
-        self, text: str, finish: str | None, ids: list[int], stop: str | None = None,
+        self, text: str, finish: str | None, ids: list[int], stop: str | int | None = None,
         first: bool = False, role: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         want = _lax_bool(self.body.get("return_token_ids"))

@@ -371,11 +371,13 @@ async def test_text_held_for_a_stop_string_is_recovered_when_the_connection_drop
 
 async def test_text_held_for_a_stop_string_is_generated_again_when_greedy() -> None:
     # Greedy: the splice goes back before "ab", so vLLM sees the whole stop
-    # string in its own output and ends at the token that completes it.
+    # string in its own output and ends at the token that completes it,
+    # cutting it as the client asked (the continuation keeps its setting).
     book = _held_ab(0.0)
     _, body = await book.continuation(_decode)
     assert body["prompt"] == [9, 5] and book.replay == [1, 5]
-    emit = book.on_continuation({"choices": [{"text": "abc", "token_ids": [1, 5, 6],
+    assert "include_stop_str_in_output" not in body
+    emit = book.on_continuation({"choices": [{"text": "", "token_ids": [1, 5, 6],
                                               "finish_reason": "stop",
                                               "stop_reason": "abc"}]})  # fmt: skip
     choice = json.loads(emit.data[0])["choices"][0]

@@ -33,12 +33,17 @@ requests = st.fixed_dictionaries(
      "stop": st.one_of(st.none(), st.lists(st.sampled_from(STOPS), min_size=1, max_size=3)),
      "include_stop": st.booleans(),
      "skip_special": st.sampled_from([None, False]),
-     "prompt": st.text(alphabet="abc \n", min_size=1, max_size=6)},
+     "prompt": st.text(alphabet="abc \n", min_size=1, max_size=6),
+     # vLLM checks no stop (string, token or EOS) before min_tokens tokens.
+     "min_tokens": st.one_of(st.none(), st.integers(0, 12)),
+     # Whole-word tokens ("a", " ", "op", "€"): EOS and these end the answer.
+     "stop_ids": st.one_of(st.none(), st.lists(st.sampled_from([1, 3, 20, 14]), max_size=2)),
+     "ignore_eos": st.booleans()},
 )  # fmt: skip
 
 
 def body_of(r: dict[str, Any], greedy: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "m", "stream": True, "ignore_eos": True}
+    body: dict[str, Any] = {"model": "m", "stream": True, "ignore_eos": r.get("ignore_eos", True)}
     if r["kind"] == "chat":
         body["messages"] = [{"role": "user", "content": r["prompt"]}]
     else:
@@ -52,6 +57,12 @@ def body_of(r: dict[str, Any], greedy: bool) -> dict[str, Any]:
         body["include_stop_str_in_output"] = r["include_stop"]
     if r["skip_special"] is not None:
         body["skip_special_tokens"] = r["skip_special"]
+    if r.get("min_tokens") is not None:
+        # vLLM refuses min_tokens above max_tokens.
+        limit = r["max_tokens"] if r["max_tokens"] is not None else 16
+        body["min_tokens"] = min(r["min_tokens"], limit)
+    if r.get("stop_ids"):
+        body["stop_token_ids"] = r["stop_ids"]
     body["temperature"] = 0 if greedy else 1.0
     return body
 
@@ -66,11 +77,15 @@ def check(r: dict[str, Any], chunking: list[int], fs: list[Fault | None], whole:
     if got.error is not None:
         # The fake samples deterministically, so only what sampling really
         # rules out may be refused: ids the client has, inside a character,
-        # or ending a stop string across the splice in a merged chunk.
+        # or, where a stop string may span the splice, a merged chunk that
+        # ends one, reaches min_tokens with one, or ends at a stop token.
         assert not greedy, (got, ref)
-        assert got.error in ("split_character", "stop_across_splice"), (got, ref)
-        if got.error == "stop_across_splice":
+        merged = ("stop_across_splice", "stop_at_min_tokens", "stop_token_text")
+        assert got.error in ("split_character", *merged), (got, ref)
+        if got.error in merged:
             assert max(chunking) > 1, (got, ref)
+        if got.error == "stop_at_min_tokens":
+            assert body.get("min_tokens"), (got, ref)
         return
     assert got.text == ref.text, (got, ref, engine.requests)
     assert got.finish == ref.finish, (got, ref)
@@ -138,3 +153,30 @@ def test_a_stop_string_kept_in_the_output_is_matched_across_the_splice() -> None
     for ids in (None, True):
         for greedy in (True, False):
             check({**r, "ids": ids}, [1], [Fault(after=15, kind="abort")], False, greedy)
+
+
+def test_a_stop_string_across_the_splice_before_min_tokens_does_not_end_the_answer() -> None:
+    # The client has "...a" (vLLM holds nothing back: the stop string is
+    # kept), the continuation's "b" completes "ab" across the splice, but at
+    # the 10th token of 11 min_tokens: vLLM would not stop there, and the
+    # proxy's own match must not either (vLLM's detokenizer looks for stop
+    # strings only in text of tokens past min_tokens).
+    r = {"kind": "completion", "max_tokens": 16, "ids": None, "stop": ["ab"],
+         "include_stop": True, "skip_special": None, "prompt": "a", "min_tokens": 11,
+         "stop_ids": None, "ignore_eos": True}  # fmt: skip
+    for ids in (None, True):
+        for whole in (False, True):
+            check({**r, "ids": ids}, [1], [Fault(after=9, kind="abort")], whole, greedy=False)
+
+
+def test_a_stop_tokens_text_stays_out_of_the_answer_after_an_open_splice() -> None:
+    # "€" may start the stop string "€b" when the engine aborts: the proxy
+    # matches across the splice and asks vLLM to keep stop strings in its
+    # output, so vLLM decodes the stop token "op" (stop_token_ids), whose
+    # text the client, who did not ask to keep stop strings, never gets.
+    r = {"kind": "completion", "max_tokens": 16, "ids": None, "stop": ["€b"],
+         "include_stop": False, "skip_special": None, "prompt": "b", "min_tokens": None,
+         "stop_ids": [20], "ignore_eos": True}  # fmt: skip
+    for kind in ("completion", "chat"):
+        for whole in (False, True):
+            check({**r, "kind": kind}, [1], [Fault(after=3, kind="abort")], whole, greedy=False)

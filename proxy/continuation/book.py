@@ -25,6 +25,11 @@ vLLM matches stop strings in its own output only. One that starts before the
 splice (a boundary the splice could not go back over) is matched here, on
 the continuation's text: it asks vLLM to hold nothing back, so a chunk's text
 comes with its own ids and the answer ends at the token that completed it.
+Matched as vLLM 0.32's detokenizer matches (``vllm/v1/engine/detokenizer.py``):
+only in text of tokens past ``min_tokens``, and never in the text of a stop
+token (EOS, ``stop_token_ids``), which vLLM decodes only when stop strings
+are kept in the output. Otherwise the continuation keeps the client's
+``include_stop_str_in_output`` and vLLM finds every stop itself.
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ class Book:
     behind: str = ""
     across: int = 0
     stops: list[str] = field(default_factory=list)
+    # The proxy matches stop strings in the continuation (one may start
+    # before it); it then asked vLLM to keep them in its output.
+    matching: bool = False
     # (generated ids after a chunk, its text; a chunk taken on bytes keeps
     # its bytes, parsed only if a splice needs them)
     records: list[tuple[int, str | bytes]] = field(default_factory=list)
@@ -254,11 +262,15 @@ class Book:
         body = carried(self.body)
         body.update(prompt=self.prompt_ids + self.generated, stream=True,
                     return_token_ids=True, add_special_tokens=False)  # fmt: skip
-        if self.stops:
-            # vLLM then holds no text back: a chunk's text comes with its own
-            # ids, so a stop found by the proxy is at a known token. The
-            # proxy holds back and cuts the stop string as the client asked.
+        # An open splice (a stop string may start before it): the proxy
+        # matches. vLLM then holds no text back: a chunk's text comes with its
+        # own ids, so a stop found by the proxy is at a known token; the proxy
+        # holds back and cuts the stop string as the client asked. Otherwise
+        # vLLM finds every stop itself, as the client asked.
+        if self.matching:
             body["include_stop_str_in_output"] = True
+        elif "include_stop_str_in_output" in self.body:
+            body["include_stop_str_in_output"] = as_bool(self.body["include_stop_str_in_output"])
         limit = self._limit()
         if limit is None and max_model_len is not None:
             limit = max_model_len - len(self.prompt_ids)
@@ -300,6 +312,7 @@ class Book:
         hold = _hold(self.stops)
         self.behind = b.text[: len(b.text) - len(b.recovered)][-hold:] if b.open and hold else ""
         self.across = len(self.behind) + len(self.pending)
+        self.matching = b.open and bool(self.stops)
         if b.k < n or b.recovered:
             log.info("splice at %d of %d ids: %d chars again, %d recovered",
                      b.k, n, len(b.skip), len(b.recovered))  # fmt: skip
@@ -316,16 +329,27 @@ class Book:
             return Emit()  # its usage counts the wrong prompt; ours comes at the end
         choice = choices[0]
         text, finish = choice.get("text") or "", choice.get("finish_reason")
-        ids = self._skip_replayed(choice.get("token_ids") or [])
-        self._count(choice.get("token_ids") or [], text)
+        sent = choice.get("token_ids") or []
+        ids = self._skip_replayed(sent)
+        self._count(sent, text)
+        if finish == "stop" and self._stop_token_decoded(sent, choice.get("stop_reason")):
+            text, choice = self._without_stop_token(sent, text, choice)
         text = self._skip_said(text)
+        new, sure = self._checked(len(text), len(sent))
         if finish == "abort":
-            if _first_stop(self.behind + self.pending + text, len(text), self.stops) is None:
+            if _first_stop(self.behind + self.pending + text, new, self._matched()) is None:
                 self.pending += text
                 return self._aborted(ids)
             finish = None  # its token ends a stop string across the splice: the answer ends
-        out, stop_hit, across = self._scan(text, final=finish is not None)
-        if across and len(choice.get("token_ids") or []) > 1:
+        out, stop_hit, across = self._scan(text, final=finish is not None, new=new)
+        if stop_hit is not None and not sure and (across or choice.get("stop_reason") != stop_hit):
+            # The chunk's tokens reach min_tokens: whether the stop string
+            # ends in text of a token vLLM checks is not known.
+            raise SpliceFailed(
+                "stop_at_min_tokens",
+                "a stop string ended in a chunk of several tokens that reached min_tokens",
+            )
+        if across and len(sent) > 1:
             # vLLM merged steps into this chunk: which of its ids completed
             # the stop is not known, and the client's answer ends there.
             raise SpliceFailed(
@@ -344,9 +368,56 @@ class Book:
             emit.finished = True
         return emit
 
+    def _matched(self) -> list[str]:
+        """The stop strings the proxy looks for in the continuation."""
+        return self.stops if self.matching else []
+
+    def _checked(self, chars: int, n_ids: int) -> tuple[int, bool]:
+        """How many of a chunk's last ``chars`` characters vLLM looks for stop
+        strings in, and whether that is certain. vLLM looks only in text of
+        tokens past ``min_tokens`` (its detokenizer's ``stop_check_offset``);
+        a chunk of several tokens that reaches it is not split by token."""
+        floor = as_int(self.body.get("min_tokens"), 0)
+        after = len(self.generated)
+        if after <= floor:
+            return 0, True
+        return chars, after - n_ids >= floor
+
+    def _stop_token_decoded(self, ids: list[int], reason: Any) -> bool:
+        """Whether the continuation's text ends with a stop token's text
+        (EOS or ``stop_token_ids``) that the client's answer does not have:
+        vLLM decodes a stop token only when stop strings are kept in the
+        output, which the proxy asked for and the client did not."""
+        if not self.matching or not ids or as_bool(self.body.get("include_stop_str_in_output")):
+            return False
+        if isinstance(reason, int) or ids[-1] in self._stop_ids():
+            return True
+        # EOS: special, without text when special tokens are skipped.
+        return reason is None and not as_bool(self.body.get("skip_special_tokens", True))
+
+    def _without_stop_token(
+        self, ids: list[int], text: str, choice: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
+        """The chunk's text without its stop token's, and the stop reason
+        vLLM gives when it does not decode the stop token (a stop string its
+        text completed was never seen)."""
+        if text and len(ids) > 1:
+            raise SpliceFailed(
+                "stop_token_text",
+                "the answer ended at a stop token in a chunk of several tokens, and its "
+                "text, which the client's answer does not have, cannot be told apart",
+            )
+        reason = ids[-1] if ids[-1] in self._stop_ids() else None
+        return "", {**choice, "stop_reason": reason}
+
+    def _stop_ids(self) -> set[int]:
+        """``stop_token_ids`` as vLLM reads them (``"5"`` is 5)."""
+        ids = self.body.get("stop_token_ids")
+        return {as_int(t, -1) for t in ids} if isinstance(ids, list) else set()
+
     def finish_here(self) -> list[bytes]:
         """The final chunk of an answer whose budget was spent at the fault."""
-        out, stop, _ = self._scan("", final=True)
+        out, stop, _ = self._scan("", final=True, new=0)
         self.finish_reason = "stop" if stop is not None else "length"
         return [self._client_chunk(out, [], self.finish_reason, stop, {})]
 
@@ -372,24 +443,26 @@ class Book:
         self.skip = self.skip[n:]
         return text[n:]
 
-    def _scan(self, text: str, final: bool) -> tuple[str, str | None, bool]:
+    def _scan(self, text: str, final: bool, new: int) -> tuple[str, str | None, bool]:
         """Release text, holding back what a stop string could still match:
         (the text, the stop string found, whether it starts before the
-        continuation's output).
+        continuation's output). ``new``: the last characters of ``text``
+        vLLM would look for stop strings in.
 
         vLLM only checks stop strings inside its own output, so one that
         straddles the splice would be missed; this check covers it.
         """
+        stops = self._matched()
         lead = len(self.behind)  # the client has it: matched, never sent again
         buf = self.behind + self.pending + text
-        hit = _first_stop(buf, len(text), self.stops)
+        hit = _first_stop(buf, new, stops)
         if hit is not None:
             i, s = hit
             end = i + len(s) if as_bool(self.body.get("include_stop_str_in_output")) else i
             across = i < self.across
             self.behind, self.pending, self.across = "", "", 0
             return buf[lead : max(end, lead)], s, across
-        hold = 0 if final else _hold(self.stops)
+        hold = 0 if final or not stops else _hold(stops)
         cut = max(len(buf) - hold, lead)
         start = min(cut, max(len(buf) - hold, 0))  # what may still start a match
         self.behind, self.pending = buf[start:cut], buf[cut:]

@@ -169,7 +169,8 @@ FIELDS: dict[str, Field] = {
                              "the rest of the context window explicitly (completions' "
                              "default is 16)"),
     "max_completion_tokens": _f(ADJUST, "as max_tokens", CHAT_ONLY),
-    "min_tokens": _f(ADJUST, "reduced by the ids generated"),
+    "min_tokens": _f(ADJUST, "reduced by the ids generated; a stop string the proxy matches "
+                             "across the splice counts only past it, as in vLLM"),
     # -- sampling ------------------------------------------------------------
     "temperature": _f(CARRY, "greedy (below 1e-5) continues token-exact; otherwise a fresh "
                              "random state, same distribution"),
@@ -197,10 +198,12 @@ FIELDS: dict[str, Field] = {
     "stop_token_ids": _f(CARRY, "per-token"),
     "stop": _f(CARRY, "also checked by the proxy across the splice, with the text vLLM held "
                       "back"),
-    "include_stop_str_in_output": _f(ADJUST, "true, when there are stop strings: vLLM then "
-                                             "holds no text back, so a stop the proxy finds "
-                                             "across the splice is at a known token; the proxy "
-                                             "holds back and cuts as the client asked"),
+    "include_stop_str_in_output": _f(ADJUST, "true when a stop string may start before the "
+                                             "splice: vLLM then holds no text back, so a stop "
+                                             "the proxy finds across the splice is at a known "
+                                             "token; the proxy holds back and cuts as the client "
+                                             "asked, and leaves out a stop token's text, which "
+                                             "vLLM then decodes; otherwise carried"),
     "skip_special_tokens": _f(CARRY, "the splice's text is decoded the same way"),
     "spaces_between_special_tokens": _f(CARRY, "the splice's text is decoded the same way"),
     "thinking_token_budget": _r("thinking_budget", "given", _given,
