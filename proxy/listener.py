@@ -48,6 +48,11 @@ _MAX_MESSAGE = 200  # the parser's message can quote the client's bytes
 # Bytes kept while the fast lane answers a request, before the socket stops
 # being read (a client pipelining more than this waits).
 _MAX_PENDING = 1 << 20
+# A request of the lane's shape in more reads than this: its head goes to
+# aiohttp's parser (the lane reads a head still coming again from its start
+# at each read, aiohttp's parser reads on), its body is kept in one buffer
+# (not a bytes object, some forty bytes, per read).
+_MAX_READS = 16
 
 
 def raw_answer(status: int, text: str, code: str, retry_after_s: int | None = None) -> bytes:
@@ -75,9 +80,10 @@ class OpenAIErrorsHandler(RequestHandler):
     _lane_pending = b""
     # A request of the lane's shape, not all in yet: its bytes, their size,
     # and the size it will have once its body is in (0: its head is coming).
-    _lane_parts: list[bytes]
+    _lane_parts: list[bytes | bytearray]
     _lane_have = 0
     _lane_need = 0
+    _lane_reads = 0  # reads of its head
     _body_timer: asyncio.TimerHandle | None = None
     _body_wait: InFlight | None = None  # the drain's record of that request
     _body_admitted = False  # it holds a place in the request limit
@@ -134,19 +140,27 @@ class OpenAIErrorsHandler(RequestHandler):
     def _lane_feed(self, lane: Lane, data: bytes) -> bool:
         """Offer the bytes to the lane; True: not its request, aiohttp's parser
         takes everything since the request's start (kept in _lane_parts)."""
-        self._lane_parts.append(data)
+        parts = self._lane_parts
+        if len(parts) < _MAX_READS:
+            parts.append(data)
+        else:  # dribbled: one buffer, grown in place
+            if not isinstance(parts[-1], bytearray):
+                parts[:] = [bytearray().join(parts)]
+            parts[-1] += data
         self._lane_have += len(data)
         if self._lane_have < self._lane_need:
             return False  # a body still coming: nothing to parse again
-        buf = b"".join(self._lane_parts) if len(self._lane_parts) > 1 else data
+        buf = data if len(parts) == 1 and parts[0] is data else b"".join(parts)
         taken = lane.parse(buf)
-        if taken is None:
+        self._lane_reads += 1
+        if taken is None or (taken == 0 and self._lane_reads > _MAX_READS):
             self._lane_off = True
             self._lane_need = 0
             self._disarm_body_timer()
             return True
         if isinstance(taken, tuple):
             self._lane_parts, self._lane_have, self._lane_need = [], 0, 0
+            self._lane_reads = 0
             self._lane_start(*taken)
             return False
         self._lane_parts = [buf]  # ours so far: read on
@@ -198,6 +212,7 @@ class OpenAIErrorsHandler(RequestHandler):
         assert self.lane is not None
         late = self.lane.body_late(b"".join(self._lane_parts), why)
         self._lane_parts, self._lane_have, self._lane_need = [], 0, 0
+        self._lane_reads = 0
         if late is None:  # not expected: the head was the lane's when the timer started
             self._disarm_body_timer()
             text = f"request body not received within {self.limits.body_timeout_s:g}s"

@@ -6,6 +6,7 @@ streams on which the lane and aiohttp's path part on purpose.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +16,7 @@ from proxy.server import Running
 from proxy.state import LIMIT
 from tests.conftest import settings_for
 from tests.test_fastlane import BODY, _lane, both, exchange, head
-from tests.test_fastlane_review import _pair_with, aiohttp_reads
+from tests.test_fastlane_review import _pair_with, _server_handler, aiohttp_reads
 
 _LINE = b"POST /v1/completions HTTP/1.1\r\n"
 # Header lines a head is built of: singletons (aiohttp refuses a second),
@@ -148,3 +149,49 @@ async def test_a_body_that_never_comes_gives_its_place_back(fakes, proxy, lane, 
     assert p.app[LIMIT].in_flight == 0
     (after,) = await exchange(p.port, head(BODY) + BODY)
     assert after.status == 200
+
+
+# -- requests in many reads -------------------------------------------------------
+async def test_a_head_in_many_reads_is_not_read_again_at_each(lanes, monkeypatch) -> None:
+    """Each read of a head still coming makes the lane read it again from its
+    start: a head dribbled in many reads goes to aiohttp's parser (which
+    reads on from where it was), so it costs no more than on aiohttp's path."""
+    on, _ = lanes
+    assert on.lane is not None
+    calls = 0
+    parse = on.lane.parse
+
+    def counted(buf: bytes) -> Any:
+        nonlocal calls
+        calls += 1
+        return parse(buf)
+
+    monkeypatch.setattr(on.lane, "parse", counted)
+    raw = head(BODY, *(f"X-Pad-{i}: {'v' * 40}" for i in range(20)))
+    pieces = [raw[i : i + 20] for i in range(0, len(raw), 20)]
+    assert len(pieces) > 40
+    (answer,) = await both(lanes, *pieces, BODY)
+    assert answer.status == 200
+    assert calls <= 20, f"the head was read {calls} times"
+
+
+async def test_a_body_in_many_reads_is_kept_in_few_pieces(fakes, proxy) -> None:
+    """A body dribbled a byte a read is kept as one buffer, not as a bytes
+    object per read (some forty bytes each: a byte-a-read client would make
+    the proxy hold forty times its body)."""
+    on, _, _ = await _pair_with(fakes, proxy)
+    reader, writer = await asyncio.open_connection("127.0.0.1", on.port)
+    try:
+        writer.write(head(BODY))
+        for i in range(len(BODY) - 1):
+            writer.write(BODY[i : i + 1])
+            await writer.drain()
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        handler = _server_handler(on)
+        assert handler._lane_have == len(head(BODY)) + len(BODY) - 1  # the lane's, all but one
+        assert len(handler._lane_parts) <= 16, len(handler._lane_parts)
+        writer.write(BODY[-1:])
+        assert await _answer_within(reader, 5) == 200
+    finally:
+        writer.close()
