@@ -72,6 +72,11 @@ class OpenAIErrorsHandler(RequestHandler):
     lane: Lane | None = None  # the app's fast lane (proxy.fastlane), if on
     _header_timer: asyncio.TimerHandle | None = None
     _between_requests = False
+    # The body of the request aiohttp's path answers (or last answered):
+    # bytes that come while it is incomplete are its own (read on after an
+    # early answer); once it is all in, they begin the next request's head.
+    _request_body: StreamReader | None = None
+    _next_begun = False
     # The fast lane's state on this connection: off for good once aiohttp's
     # parser has seen a byte; the request it answers now; bytes that came
     # meanwhile (a pipelined request), taken when it is done.
@@ -106,9 +111,10 @@ class OpenAIErrorsHandler(RequestHandler):
             self._lane_task.cancel()
         super().connection_lost(exc)
 
-    def request_started(self) -> None:
+    def request_started(self, body: StreamReader | None = None) -> None:
         """A request's headers are in: the header timer stops until its answer ends."""
         self._disarm_header_timer()
+        self._request_body, self._next_begun = body, False
 
     async def finish_response(
         self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
@@ -118,23 +124,37 @@ class OpenAIErrorsHandler(RequestHandler):
         # keepalive_timeout_s; the header timer starts again only once the next
         # request's first bytes arrive (an unasked 408 on an idle connection
         # reads as a failed request to pools that reuse it).
-        self._between_requests = True
+        if self._next_begun:  # they came during this answer: its time runs from now
+            self._next_begun = False
+            self._arm_header_timer()
+        else:
+            self._between_requests = True
         return result
 
     def data_received(self, data: bytes) -> None:
+        if not data:  # aiohttp's own call, to parse on what it holds: no bytes came
+            super().data_received(data)
+            return
         if self._lane_task is not None:
             self._lane_pending += data
             if len(self._lane_pending) > _MAX_PENDING and self.transport is not None:
                 self.transport.pause_reading()  # resumed when the answer is done
             return
-        if self._between_requests:
+        if self._between_requests and not self._body_coming():
             self._between_requests = False
             self._arm_header_timer()
         if self.lane is not None and not self._lane_off and not (self._force_close or self._close):
             if not self._lane_feed(self.lane, data):
                 return
             data, self._lane_parts, self._lane_have = b"".join(self._lane_parts), [], 0
+        if self._request_body is not None and self._request_body.is_eof():
+            self._next_begun = True
         super().data_received(data)
+
+    def _body_coming(self) -> bool:
+        """Whether bytes now are the body of the request aiohttp's path
+        answered (it reads the rest after an early answer, e.g. a 413)."""
+        return self._request_body is not None and not self._request_body.is_eof()
 
     # -- the fast lane ----------------------------------------------------------
     def _lane_feed(self, lane: Lane, data: bytes) -> bool:
@@ -345,7 +365,7 @@ def _tell_handler(factory: _RequestFactory) -> _RequestFactory:
         task: asyncio.Task[None],
     ) -> BaseRequest:
         if isinstance(protocol, OpenAIErrorsHandler):
-            protocol.request_started()
+            protocol.request_started(payload)
         return factory(message, payload, protocol, writer, task)
 
     return make

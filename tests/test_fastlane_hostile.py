@@ -16,7 +16,7 @@ from proxy.server import Running
 from proxy.state import LIMIT
 from tests.conftest import settings_for
 from tests.test_fastlane import BODY, _lane, both, exchange, head
-from tests.test_fastlane_review import _pair_with, _server_handler, aiohttp_reads
+from tests.test_fastlane_review import _pair_with, _server_handler, aiohttp_reads, read_answer
 
 _LINE = b"POST /v1/completions HTTP/1.1\r\n"
 # Header lines a head is built of: singletons (aiohttp refuses a second),
@@ -195,3 +195,58 @@ async def test_a_body_in_many_reads_is_kept_in_few_pieces(fakes, proxy) -> None:
         assert await _answer_within(reader, 5) == 200
     finally:
         writer.close()
+
+
+# -- the header timer ---------------------------------------------------------------
+@pytest.mark.parametrize("lane", [True, False])
+async def test_a_head_begun_behind_an_answer_must_end_within_the_header_time(
+    fakes, proxy, lane
+) -> None:
+    """A client that pipelines the start of a head behind a request and
+    stops: 408 within limits.header_timeout_s of the answer, on both paths
+    (aiohttp's path closed it silently only at the keep-alive time)."""
+    rank = await fakes(name="a", token_delay_s=0.05)
+    s = settings_for([rank], limits={"keepalive_timeout_s": 4, "header_timeout_s": 0.5})
+    s.listen.fast_lane = lane
+    p = await proxy(s)
+    body = b'{"model": "fake-model", "prompt": "hello", "max_tokens": 10}'  # ~0.5 s
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        writer.write(head(body) + body)
+        await asyncio.sleep(0.2)  # its answer is coming
+        writer.write(head(BODY)[:30])
+        assert (await read_answer(reader)).startswith(b"HTTP/1.1 200")
+        assert await _answer_within(reader, 2) == 408
+    finally:
+        writer.close()
+
+
+async def test_a_body_read_after_an_early_answer_does_not_start_the_header_time(
+    fakes, proxy
+) -> None:
+    """A request refused before its body is read (415 here): aiohttp's path
+    reads the rest of the body after the answer and keeps the connection.
+    Those bytes are the answered request's, not a next head: no 408 for them
+    on the kept-alive connection after limits.header_timeout_s."""
+    rank = await fakes(name="a")
+    s = settings_for([rank], limits={"keepalive_timeout_s": 4, "header_timeout_s": 0.3})
+    p = await proxy(s)
+    body = b"x" * 1000
+    raw = head(body).replace(b"application/json", b"text/plain")
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        writer.write(raw + body[:10])
+        assert (await read_answer(reader)).startswith(b"HTTP/1.1 415")
+        writer.write(body[10:])  # the rest, within aiohttp's lingering time
+        assert await _answer_within(reader, 1) is None  # nothing: idle, kept alive
+        (again,) = await exchange_on(reader, writer, head(BODY) + BODY)
+        assert again == 200
+    finally:
+        writer.close()
+
+
+async def exchange_on(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, raw: bytes
+) -> list[int]:
+    writer.write(raw)
+    return [int((await read_answer(reader)).split()[1])]
