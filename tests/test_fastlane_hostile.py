@@ -250,3 +250,29 @@ async def exchange_on(
 ) -> list[int]:
     writer.write(raw)
     return [int((await read_answer(reader)).split()[1])]
+
+
+# -- where the paths part on purpose ----------------------------------------------
+@pytest.mark.parametrize(
+    "first, tail",
+    [
+        (head(BODY) + BODY, b"BAD\r\n\r\n"),
+        (head(BODY) + BODY, b"GET /health HTTP/1.1\r\nHost: p\r\nHost: q\r\n\r\n"),
+        (head(BODY, "Connection: close") + BODY, head(BODY) + BODY),
+    ],
+)
+async def test_a_request_then_bytes_aiohttp_refuses_in_one_read(lanes, first, tail) -> None:
+    """aiohttp's parser refuses a whole read when any of it is bad, so on its
+    path a good request followed, in the same read, by bad bytes (or by any
+    bytes after ``Connection: close``, which llhttp counts as bad) gets only
+    a 400, while the same bytes in two reads get the request's answer (then,
+    kept alive, the 400). The lane answers as aiohttp's path does for two reads,
+    however the bytes are cut: the request is answered, what follows it
+    never reaches a handler it should not."""
+    on, off = lanes
+    lane = await exchange(on.port, first + tail, answers=2)
+    aio_two_reads = await exchange(off.port, first, tail, answers=2)
+    assert [a.comparable() for a in lane] == [a.comparable() for a in aio_two_reads]
+    assert lane[0].status == 200
+    aio_one_read = await exchange(off.port, first + tail, answers=2)
+    assert [a.status for a in aio_one_read] == [400]  # aiohttp's own, documented here
