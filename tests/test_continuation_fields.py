@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import orjson
 import pytest
 
 from proxy.continuation import Book, refusal
@@ -224,3 +225,41 @@ async def test_a_stall_then_abort_is_one_hold_and_no_engine_resume(fakes, proxy,
     hold_count = [s.value for m in metrics.hold_seconds.collect() for s in m.samples
                   if s.name.endswith("_count")]  # fmt: skip
     assert hold_count == [1]
+
+
+def _as_relayed(book: Book, chunk: dict[str, Any]) -> None:
+    """A chunk as the relay hands it over: on bytes first, parsed if need be."""
+    raw = orjson.dumps(chunk)
+    if book.on_original_bytes(raw) is None:
+        book.on_original(orjson.loads(raw))
+
+
+def _chat_chunk(delta: dict[str, Any], ids: list[int], **extra: Any) -> dict[str, Any]:
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None,
+                         "token_ids": ids, **extra}]}  # fmt: skip
+
+
+def test_reasoning_after_the_first_chunk_is_refused_mid_way() -> None:
+    # Reasoning arrives in common chunks (the byte path); the reasoning
+    # parser kept "<think>" to itself (vLLM sends its id with an empty
+    # delta). A fault at either point must not be continued as a completion,
+    # whose text would all be content.
+    book = Book.for_request("chat", {"model": "m", "messages": [], "temperature": 0})
+    _as_relayed(book, _chat_chunk({"role": "assistant", "content": ""}, [],
+                                  prompt_token_ids=[9]))  # fmt: skip
+    assert book.refusal_now() is None
+    _as_relayed(book, _chat_chunk({}, [7]))
+    r = book.refusal_now()
+    assert r is not None and r.code == "reasoning_in_progress"
+    other = Book.for_request("chat", {"model": "m", "messages": [], "temperature": 0})
+    _as_relayed(other, _chat_chunk({"role": "assistant", "content": ""}, [],
+                                   prompt_token_ids=[9]))  # fmt: skip
+    _as_relayed(other, _chat_chunk({"reasoning": "hmm"}, [5]))
+    r = other.refusal_now()
+    assert r is not None and r.code == "reasoning_in_progress"
+    _as_relayed(book, _chat_chunk({"reasoning": "hmm"}, [5]))
+    _as_relayed(book, _chat_chunk({}, [8]))  # "</think>"
+    _as_relayed(book, _chat_chunk({"content": "ok"}, [2]))
+    assert book.refusal_now() is None  # the answer has started: text goes to content
+    assert book.generated == [7, 5, 8, 2]

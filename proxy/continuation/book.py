@@ -124,6 +124,8 @@ class Book:
         if (self.template is None or self.spliced or data.count(b'"finish_reason":null') != 1
                 or b'"prompt_token_ids":[' in data or b'"index":0' not in data):  # fmt: skip
             return None
+        if self.kind == CHAT and not self.answering and not self._chat_bytes(data):
+            return None
         # Plain finds, not _IDS: this runs for every event of every stream.
         # vLLM writes compact JSON; spaced JSON takes the parsing path.
         start = data.find(b'"token_ids":[')
@@ -139,6 +141,21 @@ class Book:
         if not self.wants_ids:
             data = data[:start] + b'"token_ids":null' + data[end + 1 :]
         return Emit([data])
+
+    def _chat_bytes(self, data: bytes) -> bool:
+        """Note whether a chat chunk, before the answer text, carries
+        reasoning or answer text: a fault mid-reasoning is refused. False: a
+        chunk with neither (a token a reasoning parser kept to itself, sent
+        with ``"delta":{}``), parsed by :meth:`on_original`. The patterns end
+        in a quote, so escaped text inside a string cannot match them."""
+        reasoning = b'"reasoning":"' in data or b'"reasoning_content":"' in data
+        content = b'"content":"' in data
+        if not (reasoning or content):
+            return False
+        self.reasoning |= reasoning
+        if content and b'"content":""' not in data:
+            self.answering = True
+        return True
 
     def on_original(self, chunk: dict[str, Any]) -> Emit:
         """A chunk of the stream as first sent (or restarted from scratch)."""
@@ -156,6 +173,15 @@ class Book:
         self._count(choice.get("token_ids") or [], text_of(choice, self.kind))
         delta = choice.get("delta") or {}
         if delta.get("reasoning") or delta.get("reasoning_content"):
+            self.reasoning = True
+        elif (
+            self.kind == CHAT
+            and choice.get("token_ids")
+            and not self.answering
+            and all(delta.get(k) is None for k in ("content", "reasoning", "reasoning_content"))
+        ):
+            # vLLM sends a token its reasoning parser kept to itself (the
+            # start marker) with an empty delta: reasoning may have begun.
             self.reasoning = True
         if delta.get("content"):
             self.answering = True
