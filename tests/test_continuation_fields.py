@@ -71,6 +71,8 @@ def test_booleans_read_as_vllm_reads_them(value: Any, expected: bool) -> None:
         ({"guided_json": {}}, "unknown_field"),
         ({"best_of": 2}, "unknown_field"),
         ({"user": "\udc80"}, "unserializable"),
+        ({"prompt": ["x", "y"]}, "batch_prompt"),
+        ({"prompt": [[1, 2], [3]]}, "batch_prompt"),
     ],
 )  # fmt: skip
 def test_refused_fields_name_their_code(extra: dict[str, Any], code: str) -> None:
@@ -82,7 +84,8 @@ def test_refused_fields_name_their_code(extra: dict[str, Any], code: str) -> Non
     "extra",
     [{"presence_penalty": 0}, {"seed": 3, "temperature": 0}, {"echo": "false"}, {"n": 1},
      {"logprobs": None}, {"response_format": {"type": "text"}}, {"cache_salt": "s"},
-     {"truncate_prompt_tokens": 4}, {"stream_options": {"include_usage": True}}],
+     {"truncate_prompt_tokens": 4}, {"stream_options": {"include_usage": True}},
+     {"prompt": [1, 2, 3]}, {"prompt": ["x"]}],
 )  # fmt: skip
 def test_harmless_values_are_not_refused(extra: dict[str, Any]) -> None:
     assert refusal({"model": "m", "prompt": "x", **extra}) is None
@@ -263,3 +266,16 @@ def test_reasoning_after_the_first_chunk_is_refused_mid_way() -> None:
     _as_relayed(book, _chat_chunk({"content": "ok"}, [2]))
     assert book.refusal_now() is None  # the answer has started: text goes to content
     assert book.generated == [7, 5, 8, 2]
+
+
+def test_a_batch_of_prompts_ends_when_every_prompt_has() -> None:
+    # vLLM streams each prompt of a batch as its own choice (index = prompt
+    # * n + choice): the stream is over only when all of them are, so a
+    # connection lost after the first prompt finished is a fault, not the end.
+    book = Book.for_request("completion", {"model": "m", "prompt": ["x", "y"], "n": 2})
+    for index in range(4):
+        assert book.finish_reason is None
+        book.on_original({"id": "c", "created": 1, "model": "m", "choices": [
+            {"index": index, "text": "a", "token_ids": [1], "finish_reason": "length",
+             "prompt_token_ids": [9]}]})  # fmt: skip
+    assert book.finish_reason == "length"

@@ -42,7 +42,14 @@ from typing import Any
 
 import orjson
 
-from proxy.continuation.fields import Refusal, as_bool, as_int, carried, is_greedy
+from proxy.continuation.fields import (
+    Refusal,
+    as_bool,
+    as_int,
+    carried,
+    is_greedy,
+    prompt_count,
+)
 from proxy.continuation.splice import Decode, SpliceFailed, find_boundary
 
 log = logging.getLogger("ftproxy.continuation")
@@ -107,10 +114,12 @@ class Book:
         opts = body.get("stream_options")
         usage = isinstance(opts, dict) and as_bool(opts.get("include_usage"))
         n = body.get("n")
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        # vLLM streams n choices for each prompt of a batch.
+        prompts = prompt_count(body) if kind == COMPLETION else 1
         return cls(
             kind=kind, body=body, wants_ids=as_bool(body.get("return_token_ids")),
-            wants_usage=usage, stops=_stops(body),
-            n_choices=n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1,
+            wants_usage=usage, stops=_stops(body), n_choices=n * prompts,
         )  # fmt: skip
 
     # -- the original stream ------------------------------------------------

@@ -91,6 +91,19 @@ def _logprobs(v: Any, body: dict[str, Any]) -> bool:
     return v is not None and v is not False
 
 
+def prompt_count(body: dict[str, Any]) -> int:
+    """How many prompts a completions request holds: a list of texts or of
+    token-id lists is a batch (a list of ids is one prompt)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+        return len(p)
+    return 1
+
+
+def _batch(v: Any, body: dict[str, Any]) -> bool:
+    return prompt_count(body) > 1
+
+
 def _structured(v: Any, body: dict[str, Any]) -> bool:
     return isinstance(v, dict) and v.get("type") not in (None, "text")
 
@@ -139,7 +152,9 @@ def _r(code: str, when: str, refused: Pred, why: str, fate: str = REFUSE,
 FIELDS: dict[str, Field] = {
     # -- the prompt ----------------------------------------------------------
     "model": _f(CARRY, "the same model"),
-    "prompt": _f(ADJUST, "the prompt's token ids plus the ids generated so far", COMPLETIONS),
+    "prompt": _r("batch_prompt", "several prompts", _batch,
+                 "the prompt's token ids plus the ids generated so far; several prompts "
+                 "stream as interleaved choices, one prompt's ids each", ADJUST, COMPLETIONS),
     "messages": _r("multimodal", "a content part is not text", _multimodal,
                    "rendered into the prompt's token ids", DROP, CHAT_ONLY),
     "prompt_embeds": _r("multimodal", "given", _given,
