@@ -74,11 +74,9 @@ async def _whole(
     up = attempt.response
     _check_encoding(up)
     try:
-        raw: bytes | None = await up.read()
+        raw: bytes | None = await relay.read_whole(attempt)
     except BODY_ERRORS:
         raw = None  # lost before the answer: start over
-    finally:
-        up.release()
     # Errors were already retried on other ranks by the relay: pass them on.
     if raw is not None and (up.status != 200 or not ABORT.search(raw)):
         if (rec := accesslog.current()) is not None:

@@ -392,10 +392,7 @@ class HeldStream:
         try:
             async with asyncio.timeout(max(self._hold_left(), 0.1)):
                 attempt = await self.relay.open(out, queue_s=self._hold_left())
-                try:
-                    return attempt.response.status, await attempt.response.read()
-                finally:
-                    attempt.response.release()
+                return attempt.response.status, await self.relay.read_whole(attempt)
         except TimeoutError as e:
             raise StreamFailed(f"no rank could continue the stream within "
                                f"{self.cfg.timeout_s:.0f}s", "hold_timeout") from e  # fmt: skip

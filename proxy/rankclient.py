@@ -18,7 +18,7 @@ import asyncio
 import collections
 import ssl as ssl_module
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import cast
+from typing import NoReturn, cast
 
 import httptools
 from multidict import CIMultiDict
@@ -47,6 +47,11 @@ class BadResponse(Exception):
 
 class ReadTimeout(TimeoutError):
     """The rank sent nothing for ``read_s`` during an answer."""
+
+
+class BodyTooLarge(Exception):
+    """An answer read whole is larger than its reader's limit. Not one of
+    :data:`BODY_ERRORS`: the answer was not lost, it is one not to keep."""
 
 
 # What reading an answer's body may raise: the answer is lost.
@@ -366,12 +371,30 @@ class RankResponse:
         if self._exc is not None and not self._buf:
             raise self._exc
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body. Over ``limit`` bytes (as announced, or as read so
+        far): :class:`BodyTooLarge`, and the connection closes (the rest is
+        never read)."""
+        if limit is not None and _declared_length(self) > limit:
+            self._too_large(limit)
         if self.complete and self._exc is None:  # all in already: no iterator
-            return self._take_buffered() if self._buf else b""
-        parts = [chunk async for chunk in self.chunks()]
+            data = self._take_buffered() if self._buf else b""
+            if limit is not None and len(data) > limit:
+                self._too_large(limit)
+            return data
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                self._too_large(limit)
+            parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _too_large(self, limit: int) -> NoReturn:
+        self._buf.clear()
+        self.close()
+        raise BodyTooLarge(f"the rank's answer is over {limit} bytes")
 
     async def text(self) -> str:
         return (await self.read()).decode("utf-8", "replace")
@@ -520,6 +543,13 @@ class RankClient:
             conn.close()
         self._idle_conns.clear()
         await asyncio.sleep(0)  # let the transports close
+
+
+def _declared_length(resp: RankResponse) -> int:
+    """The answer's Content-Length; 0 when it has none (or a bad one: the
+    parser refused that already)."""
+    value = resp.header(b"content-length")
+    return int(value) if value is not None and value.strip().isdigit() else 0
 
 
 def _client_context(tls: ssl_module.SSLContext | bool) -> ssl_module.SSLContext:

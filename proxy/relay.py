@@ -21,7 +21,13 @@ from proxy import accesslog
 from proxy.balancer import SmoothWeightedBalancer
 from proxy.errors import NoHealthyRank, UpstreamFailed
 from proxy.metrics import Metrics
-from proxy.rankclient import BadResponse, RankClient, RankResponse, StaleConnection
+from proxy.rankclient import (
+    BadResponse,
+    BodyTooLarge,
+    RankClient,
+    RankResponse,
+    StaleConnection,
+)
 from proxy.ranks import Rank, RankTable
 from proxy.settings import Settings
 from proxy.sink import Reply
@@ -212,15 +218,30 @@ class Relay:
         if (rec := accesslog.current()) is not None:
             rec.queue_s += seconds
 
+    async def read_whole(self, attempt: Attempt) -> bytes:
+        """The answer's whole body, then released. Over
+        ``limits.max_upstream_body_bytes``: :class:`UpstreamFailed` (a 502
+        for the client), counted against the rank; memory stays bounded."""
+        up = attempt.response
+        limit = self.settings.limits.max_upstream_body_bytes
+        try:
+            return await up.read(limit)
+        except BodyTooLarge as e:
+            self.metrics.upstream_errors.labels(attempt.rank.name, "body_too_large").inc()
+            log.warning("[%s] rank %s answered %d with a body over %d bytes",
+                        accesslog.request_id() or "-", attempt.rank.name, up.status,
+                        limit)  # fmt: skip
+            raise UpstreamFailed(f"rank {attempt.rank.name} answered {up.status} "
+                                 f"with a body over {limit} bytes") from e  # fmt: skip
+        finally:
+            up.release()
+
     async def relay(self, reply: Reply, attempt: Attempt) -> None:
         """Pass the upstream answer on as it is."""
         up = attempt.response
         headers = response_headers(up.header_items())
         if up.content_type != "text/event-stream":
-            try:
-                body = await up.read()
-            finally:
-                up.release()
+            body = await self.read_whole(attempt)
             await reply.whole(up.status, headers, body)
             return
         complete = False

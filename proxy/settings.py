@@ -133,6 +133,9 @@ class Hold(BaseModel):
 
 class Limits(BaseModel):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # A rank's answer read whole (non-streamed, an error's body): larger is
+    # 502, never kept. Token ids and logprobs of a long answer fit well below.
+    max_upstream_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
     # A connection's request headers must be in within this (from connect or
     # from its previous answer), its body within body_timeout_s: else 408.
     header_timeout_s: float = Field(10.0, gt=0)

@@ -18,7 +18,7 @@ from bench.validate import Ask, check_stream, sse_payloads
 from proxy.rankclient import RankClient
 from proxy.server import Running
 from proxy.settings import Settings
-from proxy.state import RELAY
+from proxy.state import METRICS, RELAY
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": True, "pace_s": 0.002}
 EVENT = (
@@ -224,3 +224,49 @@ async def test_a_rank_dripping_bytes_without_events_is_a_stall(
             break
         await asyncio.sleep(0.05)
     assert not client._all, "the dripping upstream was left open"
+
+
+async def test_a_whole_answer_over_the_limit_is_a_502_and_is_not_read_on(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    sent = 0
+
+    def huge(conn: Conn, body: dict[str, Any]) -> None:
+        nonlocal sent
+        sent = 0
+        how = body["how"]
+        if how == "declared":  # announced up front: nothing of it needs reading
+            conn.write(_head(b"200 OK", b"application/json", 1 << 40) + b"{")
+            return
+        status = b"500 Internal Server Error" if how == "error" else b"200 OK"
+        conn.write(_head(status, b"application/json", None) + _chunk(b'{"a":"'))
+
+        async def flood() -> None:
+            nonlocal sent
+            while not conn.closed and sent < 64 << 20:  # bounded: the test ends by itself
+                conn.write(_chunk(b"y" * 65536))
+                sent += 65536
+                await asyncio.sleep(0)
+
+        asyncio.get_running_loop().create_task(flood())
+
+    _Rank.misbehave = huge
+    running = await _proxy(proxy, rank, max_upstream_body_bytes=1 << 20)
+    url = f"http://127.0.0.1:{running.port}/v1/completions"
+    async with aiohttp.ClientSession() as http:
+        # A whole answer, an error's body passed on for a stream, one announced too large.
+        for how, stream in (("endless", False), ("error", True), ("declared", False)):
+            ask = {**BODY, "stream": stream, "how": how}
+            async with http.post(url, json=ask, timeout=aiohttp.ClientTimeout(20)) as r:
+                raw = await r.read()
+                assert r.status == 502, (how, raw[:200])
+            err = orjson.loads(raw)["error"]
+            assert err["code"] == "upstream_failed" and "over 1048576 bytes" in err["message"]
+            assert sent < 8 << 20, f"{how}: the proxy read {sent} bytes of an answer it refused"
+    assert running.app[METRICS].upstream_errors.labels("r0", "body_too_large")._value.get() == 3
+    client: RankClient = running.app[RELAY].client
+    for _ in range(40):
+        if not client._all:
+            break
+        await asyncio.sleep(0.05)
+    assert not client._all, "the connection of a refused answer was kept"
