@@ -383,6 +383,25 @@ class HeldStream:
                            "hold_timeout")  # fmt: skip
 
     async def _ask(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        """A side request (``/detokenize``, ``/v1/models``: pure, so safe to
+        send again): one answered 5xx or that no rank could take is asked
+        again with backoff while the hold lasts; a rank just back from a
+        fault, or too busy, is no reason to end the stream."""
+        failures = 0
+        deadline = time.monotonic() + self._hold_left()  # bounded even outside a hold
+        while True:
+            status, raw = await self._ask_once(method, path, body)
+            if status < 500:
+                return status, raw
+            failures += 1
+            wait = backoff_s(failures)
+            if wait >= min(self._hold_left(), deadline - time.monotonic()):
+                return status, raw
+            log.info("[%s] %s %s answered %d; asking again in %.2fs", self.out.request_id,
+                     method, path, status, wait)  # fmt: skip
+            await asyncio.sleep(wait)
+
+    async def _ask_once(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         """A side request to any routable rank, within the hold. Not the
         client's request: the access log does not list its rank."""
         out = Outbound(method, path, self.out.headers, body, self.out.request_id,

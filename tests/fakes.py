@@ -103,6 +103,8 @@ class FakeRank:
     reports_fault: bool = True
     # The engine fails every FT instruction (stays unhealthy, reports ft_error).
     apply_fails: bool = False
+    # The first this many /detokenize calls answer 503 (an API server too busy).
+    detokenize_fails: int = 0
     last_ft_request_id: str | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     # The W3C traceparent each generation request came with (None: none).
@@ -233,6 +235,9 @@ class FakeRank:
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if self.detokenize_fails > 0:
+            self.detokenize_fails -= 1
+            return web.json_response({"error": {"message": "busy"}}, status=503)
         return web.json_response({"prompt": detok(list(body["tokens"]))})
 
     # -- generation --------------------------------------------------------

@@ -77,6 +77,20 @@ async def test_completion_stream_continues_exactly(fakes, proxy, http, ranks) ->
     assert metrics.streams_held._value.get() == 0
 
 
+async def test_a_detokenize_that_fails_for_a_while_is_asked_again(fakes, proxy, http) -> None:
+    """The splice's side requests (/detokenize, /v1/models) are pure: one a
+    busy rank answers 5xx (or cannot take) is asked again, with backoff,
+    within the hold, not the end of the stream (seen with the cores
+    saturated: a connect timeout ended a stream with detokenize_failed)."""
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=20, auto_recover_s=0.2,
+                    detokenize_fails=2)  # fmt: skip
+    p = await proxy(replicas([a], hold=HOLD))
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", completion(60))
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 60))
+    assert finishes(chunks) == ["length"] and done
+    assert a.detokenize_fails == 0  # both failures were met on the way
+
+
 async def test_chat_stream_continues_as_chat_with_usage(fakes, proxy, http) -> None:
     a = await fakes(name="a", token_delay_s=0.002, fault_after=15, auto_recover_s=0.2)
     p = await proxy(settings_for([a], hold=HOLD))
