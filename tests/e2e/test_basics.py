@@ -6,13 +6,16 @@ import asyncio
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
 from engine_ext.rig.launcher import SERVED_MODEL
+from proxy.ranks import RankTable
 from proxy.server import start
 from proxy.state import METRICS, TABLE
 from tests.e2e.conftest import LiveRig, proxy_for, rank_statuses, retry_all
@@ -68,23 +71,51 @@ async def _held_request(url: str) -> dict[str, object]:
         return dict(await r.json())
 
 
+def record_observations(table: RankTable) -> list[tuple[str, str, str | None]]:
+    """Every observation the table takes from now on: (rank, source, status)."""
+    seen: list[tuple[str, str, str | None]] = []
+    observe = table.observe
+
+    def recording(name: str, observed_at: float | None, source: str, **kw: Any) -> bool:
+        seen.append((name, source, kw.get("status")))
+        return observe(name, observed_at, source, **kw)
+
+    table.observe = recording  # type: ignore[method-assign]
+    return seen
+
+
+async def eventually(predicate: Callable[[], bool], within_s: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 async def test_fault_push_feed_hold_and_recovery(healthy_rig: LiveRig, rig_proxy) -> None:
     running, table = rig_proxy
     r0, r1 = table.ranks["r0"], table.ranks["r1"]
+    seen = record_observations(table)
     healthy_rig.arm_fault(steps_from_now=5)
     driver = asyncio.create_task(_stream_for_steps(healthy_rig.urls()[0]))
 
-    # Rank 1 faults: the proxy learns it from the push feed.
+    # Rank 1 faults: the proxy learns it from the push feed. The push
+    # usually comes first; with the cores saturated a poll can come first,
+    # so the feed is checked apart: it must report the fault too.
     assert await table.wait_for(lambda: r1.status == "unhealthy", 30.0)
-    assert r1.changed_by == "push" and r1.fault_info == "RuntimeError"
+    assert r1.changed_by in ("push", "poll") and r1.fault_info == "RuntimeError"
     delay = r1.changed_at - float(healthy_rig.fired.read_text())
-    print(f"\nfault -> proxy table (rank 1): {delay * 1000:.1f} ms; "
+    print(f"\nfault -> proxy table (rank 1, by {r1.changed_by}): {delay * 1000:.1f} ms; "
           f"publisher -> table: {(r1.push_delay_s or 0) * 1000:.1f} ms")  # fmt: skip
     assert 0 <= delay <= 1.0
+    assert await eventually(lambda: ("r1", "push", "unhealthy") in seen, 5.0)
 
     # Rank 0 follows when its collective times out (~5 s).
     assert await table.wait_for(lambda: r0.status == "unhealthy", 30.0)
-    assert r0.changed_by == "push" and r0.push_delay_s is not None and r0.push_delay_s <= 1.0
+    assert await eventually(lambda: ("r0", "push", "unhealthy") in seen, 5.0)
+    if r0.changed_by == "push":
+        assert r0.push_delay_s is not None and r0.push_delay_s <= 1.0
     await asyncio.wait_for(driver, 30.0)  # vLLM aborted it; issue of continuity aside
 
     # New requests are held in the proxy, not sent into a hanging engine.
