@@ -54,6 +54,12 @@ class BodyTooLarge(Exception):
     :data:`BODY_ERRORS`: the answer was not lost, it is one not to keep."""
 
 
+# A 101 answer (a protocol switch nobody asked for) raises HttpParserUpgrade,
+# which is no HttpParserError: uncaught, it escaped data_received, the loop
+# logged a fatal transport error and the answer read as a lost connection
+# (the rank marked down) instead of a bad answer.
+_PARSE_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)
+
 # What reading an answer's body may raise: the answer is lost.
 BODY_ERRORS = (TimeoutError, ConnectionError, BadResponse)
 
@@ -94,13 +100,15 @@ class _Conn(asyncio.Protocol):
         self.last_read = self.pool.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
+        except _PARSE_ERRORS as e:
             self._flush()
             # Bytes past a complete answer (a second answer nobody asked for,
             # garbage) are never read as the next request's answer: the
             # connection closes; the complete answer stands.
             if not resp.complete:
-                resp._fail(BadResponse(f"the rank's answer is not valid HTTP: {e}"))
+                what = ("a protocol switch (101)" if isinstance(e, httptools.HttpParserUpgrade)
+                        else f"not valid HTTP: {e}")  # fmt: skip
+                resp._fail(BadResponse(f"the rank's answer is {what}"))
             self.close()
             return
         self._flush()

@@ -374,3 +374,20 @@ async def test_a_rank_that_stops_reading_the_request_times_out(rank) -> None:
     await asyncio.sleep(0.05)
     assert not client._all  # closed, not pooled
     await client.close()
+
+
+async def test_a_protocol_switch_is_a_bad_answer_not_a_lost_connection(rank) -> None:
+    switch = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\nxy"
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, ctx: errors.append(ctx))
+    try:
+        client = _client()
+        with pytest.raises(BadResponse):
+            await asyncio.wait_for(_get(client, await rank(_answers(switch))), 5)
+        await asyncio.sleep(0.05)
+        assert not client._all  # closed, never pooled
+        await client.close()
+    finally:
+        loop.set_exception_handler(None)
+    assert not errors, "a parser error escaped to the loop"
