@@ -10,9 +10,11 @@ one whole answer.
 from __future__ import annotations
 
 import json
+import logging
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
+import orjson
 from multidict import CIMultiDict
 
 from proxy import accesslog
@@ -33,6 +35,8 @@ from proxy.rankclient import BODY_ERRORS, RankResponse
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.sink import Reply
 from proxy.upstream import response_headers
+
+log = logging.getLogger("ftproxy.relay")
 
 KINDS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 
@@ -77,6 +81,8 @@ async def _whole(
         raw: bytes | None = await relay.read_whole(attempt)
     except BODY_ERRORS:
         raw = None  # lost before the answer: start over
+    if raw is not None and up.status == 200 and not _is_object(raw):
+        _not_json(relay, attempt)
     # Errors were already retried on other ranks by the relay: pass them on.
     if raw is not None and (up.status != 200 or not ABORT.search(raw)):
         if (rec := accesslog.current()) is not None:
@@ -90,6 +96,23 @@ async def _whole(
     await HeldStream(relay, out, book, refused, collector).run(None)
     status, answer = _assemble(book, collector.events)
     await reply.whole(status, CIMultiDict({"Content-Type": JSON}), answer)
+
+
+def _is_object(raw: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(raw), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _not_json(relay: Relay, attempt: Attempt) -> NoReturn:
+    """A 200 whose body is no JSON object (HTML, a cut or padded body) is
+    not an answer: passed on, the client would fail to parse a success."""
+    name = attempt.rank.name
+    relay.metrics.upstream_errors.labels(name, "bad_response").inc()
+    log.warning("[%s] rank %s answered 200 with a body that is not a JSON object",
+                accesslog.request_id() or "-", name)  # fmt: skip
+    raise UpstreamFailed(f"rank {name} answered 200 with a body that is not a JSON object")
 
 
 def _check_encoding(up: RankResponse) -> None:

@@ -166,6 +166,16 @@ class Relay:
             self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
             log.warning("[%s] rank %s sent a malformed answer: %r", out.request_id, rank.name, e)
             return None
+        if 300 <= resp.status < 400 and resp.status != 304:
+            # vLLM redirects no path the proxy forwards; passed on, the
+            # Location would send the client to the rank itself, past the
+            # proxy. An answer that is no answer: like a malformed one.
+            resp.close()
+            failures.append(f"{rank.name}: redirect {resp.status}")
+            self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
+            log.warning("[%s] rank %s answered a redirect (%d), which the proxy does not follow",
+                        out.request_id, rank.name, resp.status)  # fmt: skip
+            return None
         self.metrics.child(self.metrics.ttfb, rank.name).observe(time.monotonic() - started)
         return Attempt(rank, resp, started)
 

@@ -18,7 +18,7 @@ from bench.validate import Ask, check_stream, sse_payloads
 from proxy.rankclient import RankClient
 from proxy.server import Running
 from proxy.settings import Settings
-from proxy.state import METRICS, RELAY
+from proxy.state import METRICS, RELAY, TABLE
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": True, "pace_s": 0.002}
 EVENT = (
@@ -270,3 +270,34 @@ async def test_a_whole_answer_over_the_limit_is_a_502_and_is_not_read_on(
             break
         await asyncio.sleep(0.05)
     assert not client._all, "the connection of a refused answer was kept"
+
+
+async def test_a_redirect_or_a_200_that_is_not_json_is_a_502_in_the_openai_shape(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    answers = {
+        "redirect": b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://10.1.2.3:8000/v1/"
+                    b"completions\r\ncontent-length: 0\r\n\r\n",
+        "html": _head(b"200 OK", b"text/html", 13) + b"<html></html>",
+        "cut": _head(b"200 OK", b"application/json", 9) + b'{"id":"cmpl-1","choices":[]}',
+        "array": _head(b"200 OK", b"application/json", 2) + b"[]",
+    }  # fmt: skip
+
+    def answer(conn: Conn, body: dict[str, Any]) -> None:
+        conn.write(answers[body["how"]])
+        conn.done()
+
+    _Rank.misbehave = answer
+    running = await _proxy(proxy, rank)
+    url = f"http://127.0.0.1:{running.port}/v1/completions"
+    async with aiohttp.ClientSession() as http:
+        for how in answers:
+            for stream in (False, True) if how == "redirect" else (False,):
+                ask = {**BODY, "stream": stream, "how": how}
+                async with http.post(url, json=ask, allow_redirects=False) as r:
+                    raw = await r.read()
+                    assert r.status == 502, (how, stream, raw[:200])
+                    assert "Location" not in r.headers
+                assert orjson.loads(raw)["error"]["code"] == "upstream_failed", how
+    assert running.app[METRICS].upstream_errors.labels("r0", "bad_response")._value.get() == 5
+    assert running.app[TABLE].ranks["r0"].routable  # a bad answer does not mark the rank down
