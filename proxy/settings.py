@@ -104,8 +104,11 @@ class Admin(BaseModel):
 class Timeouts(BaseModel):
     poll_interval_s: float = Field(0.25, gt=0, le=0.5)
     # A poll that takes longer fails and makes the rank unreachable: a hung API
-    # server is noticed within poll_interval_s + poll_timeout_s.
-    poll_timeout_s: float = Field(0.25, gt=0, le=5)
+    # server is noticed within poll_interval_s + poll_timeout_s. Not shorter by
+    # default: a busy vLLM API server (both cores saturated, on the rig) answered
+    # past 250 ms often enough to take healthy ranks, and their groups' streams,
+    # out for a moment again and again.
+    poll_timeout_s: float = Field(1.0, gt=0, le=5)
     connect_s: float = Field(2.0, gt=0)
     # No byte from a rank for this long: the request counts as lost (a stream
     # or whole answer is then held and continued, other answers fail over).

@@ -62,8 +62,9 @@ async def test_no_new_request_enters_a_group_with_a_faulted_member(fakes, proxy,
 
 async def test_a_hung_api_server_is_not_routable_within_two_polls(fakes, proxy, http) -> None:
     a, b = await fakes(name="a"), await fakes(name="b")
-    interval = 0.25  # the default poll interval and timeout
-    p = await proxy(replicas([a, b], timeouts={"poll_interval_s": interval}))
+    interval = 0.25  # the default poll interval, and here the timeout too (default 1 s)
+    p = await proxy(replicas([a, b], timeouts={"poll_interval_s": interval,
+                                               "poll_timeout_s": interval}))  # fmt: skip
     table = p.app[TABLE]
     a.freeze()
     t0 = time.monotonic()

@@ -29,7 +29,7 @@ from tests.fakes import FakeRank
 
 pytestmark = pytest.mark.e2e
 
-POLL_S = 0.25  # the default poll interval (and timeout)
+POLL_S = 0.25  # the default poll interval, and here the poll timeout too
 BODY = {"model": SERVED_MODEL, "prompt": "Routing", "max_tokens": 4, "temperature": 0}
 
 
@@ -54,7 +54,8 @@ def two_groups(live: LiveRig, spare: FakeRank | None) -> Settings:
     if spare is not None:
         groups.append({"name": "dp-b", "ranks": [{"name": "spare", "url": spare.url}]})
     return Settings(listen={"host": "127.0.0.1", "port": 0}, groups=groups,
-                    timeouts={"queue_s": 60.0, "poll_interval_s": POLL_S})  # fmt: skip
+                    timeouts={"queue_s": 60.0, "poll_interval_s": POLL_S,
+                              "poll_timeout_s": POLL_S})  # fmt: skip
 
 
 def count_sends(relay: Relay) -> dict[str, int]:
