@@ -22,6 +22,7 @@ from proxy.balancer import SmoothWeightedBalancer
 from proxy.errors import NoHealthyRank, UpstreamFailed
 from proxy.metrics import Metrics
 from proxy.rankclient import (
+    BODY_ERRORS,
     BadResponse,
     BodyTooLarge,
     RankClient,
@@ -235,7 +236,10 @@ class Relay:
         up = attempt.response
         limit = self.settings.limits.max_upstream_body_bytes
         try:
-            return await up.read(limit)
+            # read_s bounds each silence; this, the whole: vLLM sends a whole
+            # answer at once, so a body still coming after read_s is a drip.
+            async with asyncio.timeout(self.settings.timeouts.read_s):
+                return await up.read(limit)
         except BodyTooLarge as e:
             self.metrics.upstream_errors.labels(attempt.rank.name, "body_too_large").inc()
             log.warning("[%s] rank %s answered %d with a body over %d bytes",
@@ -251,7 +255,16 @@ class Relay:
         up = attempt.response
         headers = response_headers(up.header_items())
         if up.content_type != "text/event-stream":
-            body = await self.read_whole(attempt)
+            try:
+                body = await self.read_whole(attempt)
+            except BODY_ERRORS as e:
+                # The rank's failure, not the proxy's: a 502, never an
+                # internal error with a traceback.
+                self.metrics.upstream_errors.labels(attempt.rank.name, "body_lost").inc()
+                log.warning("[%s] rank %s: the answer's body was lost: %r",
+                            accesslog.request_id() or "-", attempt.rank.name, e)  # fmt: skip
+                raise UpstreamFailed(f"rank {attempt.rank.name}'s answer was lost before "
+                                     f"its end ({type(e).__name__})") from e  # fmt: skip
             await reply.whole(up.status, headers, body)
             return
         complete = False

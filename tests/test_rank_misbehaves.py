@@ -301,3 +301,43 @@ async def test_a_redirect_or_a_200_that_is_not_json_is_a_502_in_the_openai_shape
                 assert orjson.loads(raw)["error"]["code"] == "upstream_failed", how
     assert running.app[METRICS].upstream_errors.labels("r0", "bad_response")._value.get() == 5
     assert running.app[TABLE].ranks["r0"].routable  # a bad answer does not mark the rank down
+
+
+async def test_an_error_body_cut_or_dripped_is_a_502_not_an_internal_error(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    def answer(conn: Conn, body: dict[str, Any]) -> None:
+        conn.write(_head(b"500 Internal Server Error", b"application/json", 1000) + b'{"e')
+        if body["how"] == "cut":  # shorter than its Content-Length, then closed
+            conn.transport.close()  # type: ignore[union-attr]
+            return
+
+        async def drip() -> None:  # never silent for read_s, never done in time
+            for _ in range(200):  # bounded: 20 s at most
+                if conn.closed:
+                    return
+                conn.write(b" ")
+                await asyncio.sleep(0.1)
+
+        asyncio.get_running_loop().create_task(drip())
+
+    _Rank.misbehave = answer
+    settings = Settings(
+        listen={"host": "127.0.0.1", "port": 0},
+        groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{rank}"}]}],
+        timeouts={"poll_interval_s": 0.5, "read_s": 0.5},
+    )  # fmt: skip
+    running = await proxy(settings)
+    url = f"http://127.0.0.1:{running.port}/v1/completions"
+    async with aiohttp.ClientSession() as http:
+        for how in ("cut", "drip"):  # a stream's error answer is passed on whole
+            started = asyncio.get_running_loop().time()
+            ask = {**BODY, "how": how}
+            async with http.post(url, json=ask, timeout=aiohttp.ClientTimeout(15)) as r:
+                raw = await r.read()
+                assert r.status == 502, (how, raw[:200])
+            assert orjson.loads(raw)["error"]["code"] == "upstream_failed", how
+            assert asyncio.get_running_loop().time() - started < 5, how
+    metrics = running.app[METRICS]
+    assert metrics.upstream_errors.labels("r0", "body_lost")._value.get() == 2
+    assert metrics.internal_errors._value.get() == 0
