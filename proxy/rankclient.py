@@ -81,6 +81,7 @@ class _Conn(asyncio.Protocol):
         self.read_handle: asyncio.TimerHandle | None = None
         self.last_read = 0.0
         self.got_bytes = False  # of the current answer
+        self.first_read = 0.0  # when its first byte came
         self.head_bytes = 0  # read before the current answer's head was complete
         self.interim = False  # parsing a 1xx answer: not the final one
         self.headers: list[tuple[bytes, bytes]] = []
@@ -96,8 +97,10 @@ class _Conn(asyncio.Protocol):
         if resp is None:  # bytes nobody asked for: the connection is not to be trusted
             self.close()
             return
-        self.got_bytes = True
-        self.last_read = self.pool.loop.time()
+        now = self.pool.loop.time()
+        if not self.got_bytes:
+            self.got_bytes, self.first_read = True, now
+        self.last_read = now
         try:
             self.parser.feed_data(data)
         except _PARSE_ERRORS as e:
@@ -199,8 +202,14 @@ class _Conn(asyncio.Protocol):
         resp = self.response
         if resp is None or resp.complete:
             return
-        if self.pool.loop.time() - self.last_read >= self.pool.read_s:
+        now = self.pool.loop.time()
+        if now - self.last_read >= self.pool.read_s:
             resp._fail(ReadTimeout(f"the rank sent nothing for {self.pool.read_s:g}s"))
+            self.close()
+        elif not resp.status and now - self.first_read >= self.pool.read_s:
+            # A head is sent at once; one dripped a byte at a time kept the
+            # silence timer from ever firing (found within 2 * read_s).
+            resp._fail(ReadTimeout(f"the rank's answer head took over {self.pool.read_s:g}s"))
             self.close()
         else:
             self._arm_read()

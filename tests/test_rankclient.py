@@ -391,3 +391,23 @@ async def test_a_protocol_switch_is_a_bad_answer_not_a_lost_connection(rank) -> 
     finally:
         loop.set_exception_handler(None)
     assert not errors, "a parser error escaped to the loop"
+
+
+async def test_a_head_dripped_line_by_line_times_out(rank) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(200):  # bounded: 10 s at most, never silent for read_s
+            writer.write(b"X-Drip: y\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(b"Content-Length: 0\r\n\r\n")
+
+    client = _client(read_s=0.3)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(ReadTimeout):
+        await asyncio.wait_for(client.request("POST", await rank(serve), CIMultiDict(), b"{}"), 15)
+    assert asyncio.get_running_loop().time() - started < 3
+    await asyncio.sleep(0.05)
+    assert not client._all
+    await client.close()
