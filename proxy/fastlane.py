@@ -68,7 +68,7 @@ class Connection(Protocol):
     async def _drain_helper(self) -> None: ...
 
 
-Late = Literal["timeout", "shutdown"]
+Late = Literal["timeout", "shutdown", "gone"]  # "gone": the client left
 
 
 @dataclass
@@ -77,7 +77,8 @@ class Request:
     headers: CIMultiDict[str]
     body: bytes
     keep_alive: bool
-    # Its body did not come: within limits.body_timeout_s, or before a graceful stop ended it.
+    # Its body did not come: within limits.body_timeout_s, before a graceful
+    # stop ended it, or before the client left.
     body_late: Late | None = None
     # The drain's record of it while its body came, left once it has its own.
     waited: drain.InFlight | None = None
@@ -159,8 +160,9 @@ class Lane:
 
     def body_late(self, buf: bytes, why: Late) -> Request | None:
         """The request whose head is ``buf``'s and whose body did not come in
-        time, or before a graceful stop: answered as aiohttp's path answers it
-        (proxy.inbound.read_body's 408, the drain's 503)."""
+        time, before a graceful stop, or before the client left: answered (or
+        logged) as aiohttp's path does (proxy.inbound.read_body's 408, the
+        drain's 503, the access log's 499)."""
         got = self._head(buf)
         if not isinstance(got, tuple):
             return None
@@ -198,6 +200,20 @@ class Lane:
         if headers.get("Content-Type", "").split(";", 1)[0].strip().lower() != "application/json":
             return None  # aiohttp's path parses the type and refuses others
         return head, Request(path, headers, b"", head.keep_alive), head_end + 4, length
+
+    def key_refused(self, buf: bytes) -> bool:
+        """Whether the request whose head is ``buf``'s fails the API key check,
+        which aiohttp's path makes (and answers) before it reads the body."""
+        if not self.settings.api_keys:
+            return False
+        got = self._head(buf)
+        if not isinstance(got, tuple):
+            return False
+        try:
+            check_api_key(got[1].headers, self.settings.api_keys)
+        except Exception:  # a refusal, or a key it cannot read: aiohttp's to answer
+            return True
+        return False
 
     # -- the request limit ------------------------------------------------------
     def admit(self) -> bool:
@@ -303,6 +319,8 @@ class Lane:
         if req.body_late == "timeout":
             timeout_s = self.settings.limits.body_timeout_s
             raise RequestTimeout(f"request body not received within {timeout_s:g}s")
+        if req.body_late == "gone":
+            raise ConnectionResetError("the client left before its body came")
         parsed = parse_object(req.body)
         await forward_v1(self.app, reply, "POST", req.path, req.headers, req.body, parsed,
                          request_id)  # fmt: skip

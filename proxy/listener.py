@@ -106,9 +106,11 @@ class OpenAIErrorsHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm_header_timer()
-        self._disarm_body_timer()
         if self._lane_task is not None:  # as aiohttp's handler_cancellation does
             self._lane_task.cancel()
+        if self._body_wait is not None:  # its headers were in: logged 499 as on aiohttp's path
+            self._answer_late("gone")
+        self._disarm_body_timer()
         super().connection_lost(exc)
 
     def request_started(self, body: StreamReader | None = None) -> None:
@@ -185,10 +187,10 @@ class OpenAIErrorsHandler(RequestHandler):
             return False
         self._lane_parts = [buf]  # ours so far: read on
         if taken and self._body_timer is None:
-            # Its headers are in: it counts against the request limit from
-            # now, as on aiohttp's path, whose limit middleware runs before
-            # the body is read. At the limit, that path answers 503 at once.
-            if not lane.admit():
+            # Its headers are in: aiohttp's path checks its key and counts
+            # it against the request limit now, before the body is read, and
+            # answers a refusal (401, 503) at once: such a request is its.
+            if lane.key_refused(buf) or not lane.admit():
                 self._lane_off = True
                 return True
             self._body_admitted = True

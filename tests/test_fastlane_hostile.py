@@ -13,10 +13,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.server import Running
-from proxy.state import LIMIT
+from proxy.state import LIMIT, METRICS
+from tests.conftest import capture_access_log as capture
 from tests.conftest import settings_for
 from tests.test_fastlane import BODY, _lane, both, exchange, head
-from tests.test_fastlane_review import _pair_with, _server_handler, aiohttp_reads, read_answer
+from tests.test_fastlane_review import (
+    JSON_LOGS,
+    _pair_with,
+    _server_handler,
+    _stable,
+    access_lines,
+    aiohttp_reads,
+    read_answer,
+)
 
 _LINE = b"POST /v1/completions HTTP/1.1\r\n"
 # Header lines a head is built of: singletons (aiohttp refuses a second),
@@ -276,3 +285,43 @@ async def test_a_request_then_bytes_aiohttp_refuses_in_one_read(lanes, first, ta
     assert lane[0].status == 200
     aio_one_read = await exchange(off.port, first + tail, answers=2)
     assert [a.status for a in aio_one_read] == [400]  # aiohttp's own, documented here
+
+
+# -- a request whose headers are in and whose body is not ----------------------------
+@pytest.fixture
+async def keyed_lanes(fakes, proxy) -> tuple[Running, Running]:
+    on, off, _ = await _pair_with(fakes, proxy, api_keys=["k-1"], logging=JSON_LOGS)
+    return on, off
+
+
+async def test_a_wrong_key_is_refused_before_the_body(keyed_lanes) -> None:
+    """aiohttp's path checks the key once the headers are in and answers 401
+    then, whether or not the body ever comes: so does the lane."""
+    for p in keyed_lanes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        try:
+            writer.write(head(BODY, "Authorization: Bearer nope"))  # no body yet
+            assert await _answer_within(reader, 2) == 401, p.lane is not None
+        finally:
+            writer.close()
+
+
+async def test_a_client_leaving_before_its_body_is_logged_499(keyed_lanes) -> None:
+    """As on aiohttp's path: an access-log line (499, client_left) and a
+    client disconnect counted for a request whose body never came."""
+    seen = []
+    for p in keyed_lanes:
+        out = capture(p)
+        disconnects = p.app[METRICS].client_disconnects
+        before = disconnects._value.get()
+        _, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        writer.write(head(BODY, "Authorization: Bearer k-1") + BODY[:5])
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()
+        lines = await access_lines(out, 1)
+        seen.append(([_stable(x) for x in lines], disconnects._value.get() - before))
+        await asyncio.sleep(0.1)
+        assert p.app[LIMIT].in_flight == 0
+    assert seen[0] == seen[1]
+    assert seen[0][0][0]["status"] == 499 and seen[0][1] == 1
