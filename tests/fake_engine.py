@@ -133,10 +133,12 @@ class Engine:
 
 
 def _budget(body: dict[str, Any], prompt: list[int], chat: bool) -> int:
+    """vLLM 0.32's: 16 when completions leave ``max_tokens`` out; the rest
+    of the context window when it is null, or chat has none."""
     for key in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
         if body.get(key) is not None:
             return int(body[key])
-    return MAX_MODEL_LEN - len(prompt) if chat else 16
+    return 16 if not chat and "max_tokens" not in body else MAX_MODEL_LEN - len(prompt)
 
 
 @dataclass

@@ -50,9 +50,11 @@ def reference(engine: Engine, kind: str, body: dict[str, Any]) -> Answer:
 
 
 async def through_proxy(
-    engine: Engine, kind: str, body: dict[str, Any], faults: list[Fault | None], whole: bool
-) -> Answer:
-    """What the client gets, with ``faults`` hitting the attempts in turn."""
+    engine: Engine, kind: str, body: dict[str, Any], faults: list[Fault | None], whole: bool,
+    window_known: bool = True,
+) -> Answer:  # fmt: skip
+    """What the client gets, with ``faults`` hitting the attempts in turn;
+    ``window_known``: whether the context window could be learnt."""
     book = Book.for_request(kind, body)
     refused = refusal(body)
     up = {**body, "return_token_ids": True}
@@ -76,7 +78,8 @@ async def through_proxy(
                     raise _Failed(r.code)
                 if not book.can_continue():
                     raise _Failed("stream_aborted")
-                window = MAX_MODEL_LEN if book.needs_context_window() else None
+                known = window_known and book.needs_context_window()
+                window = MAX_MODEL_LEN if known else None
                 planned = await book.continuation(engine.decode, window)
                 if planned is None:
                     data.extend(book.finish_here())

@@ -27,7 +27,10 @@ faults = st.builds(
 STOPS = ["op", "é€", "b a", "€b", "😀", "a", "ab", "st", "t", "é", "€", "\n\n", "a b a"]
 requests = st.fixed_dictionaries(
     {"kind": st.sampled_from(["completion", "chat"]),
-     "max_tokens": st.one_of(st.none(), st.integers(1, 24)),
+     # "null": vLLM's rest of the context window, for completions too.
+     "max_tokens": st.one_of(st.none(), st.integers(1, 24), st.just("null")),
+     # Whether the proxy learnt the context window (a rank's /v1/models).
+     "window": st.booleans(),
      "ids": st.sampled_from([None, True, False]),
      # Short stops ("a", "t", "é") complete often, so a stop across the splice is common.
      "stop": st.one_of(st.none(), st.lists(st.sampled_from(STOPS), min_size=1, max_size=3)),
@@ -49,7 +52,7 @@ def body_of(r: dict[str, Any], greedy: bool) -> dict[str, Any]:
     else:
         body["prompt"] = r["prompt"]
     if r["max_tokens"] is not None:
-        body["max_tokens"] = r["max_tokens"]
+        body["max_tokens"] = None if r["max_tokens"] == "null" else r["max_tokens"]
     if r["ids"] is not None:
         body["return_token_ids"] = r["ids"]
     if r["stop"]:
@@ -59,7 +62,7 @@ def body_of(r: dict[str, Any], greedy: bool) -> dict[str, Any]:
         body["skip_special_tokens"] = r["skip_special"]
     if r.get("min_tokens") is not None:
         # vLLM refuses min_tokens above max_tokens.
-        limit = r["max_tokens"] if r["max_tokens"] is not None else 16
+        limit = r["max_tokens"] if isinstance(r["max_tokens"], int) else 16
         body["min_tokens"] = min(r["min_tokens"], limit)
     if r.get("stop_ids"):
         body["stop_token_ids"] = r["stop_ids"]
@@ -73,7 +76,7 @@ def check(r: dict[str, Any], chunking: list[int], fs: list[Fault | None], whole:
     body = body_of(r, greedy)
     engine = Engine(chunking=chunking)
     ref = reference(Engine(chunking=[1]), kind, body)
-    got = asyncio.run(through_proxy(engine, kind, body, fs, whole))
+    got = asyncio.run(through_proxy(engine, kind, body, fs, whole, r.get("window", True)))
     if got.error is not None:
         # The fake samples deterministically, so only what sampling really
         # rules out may be refused: ids the client has, inside a character,
@@ -180,3 +183,15 @@ def test_a_stop_tokens_text_stays_out_of_the_answer_after_an_open_splice() -> No
     for kind in ("completion", "chat"):
         for whole in (False, True):
             check({**r, "kind": kind}, [1], [Fault(after=3, kind="abort")], whole, greedy=False)
+
+
+def test_a_budget_of_null_is_the_rest_of_the_context_window() -> None:
+    # Completions read "max_tokens": null as the rest of the window (only a
+    # missing one is 16), and a continuation whose window the proxy could
+    # not learn must say null too, not leave it out (16 again).
+    r = {"kind": "completion", "max_tokens": "null", "ids": True, "stop": None,
+         "include_stop": False, "skip_special": None, "prompt": "a"}  # fmt: skip
+    for kind in ("completion", "chat"):
+        for window in (True, False):
+            for whole in (False, True):
+                check({**r, "kind": kind, "window": window}, [1], [Fault(after=20)], whole, True)

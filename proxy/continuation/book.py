@@ -267,15 +267,20 @@ class Book:
         return self.prompt_ids is not None or not self.generated
 
     def needs_context_window(self) -> bool:
-        """A chat request without a token budget: vLLM's default is the rest
-        of the context window, which the continuation must state itself."""
-        return self.kind == CHAT and self._limit() is None
+        """A request without a token budget: vLLM's default is the rest of
+        the context window, which the continuation must state itself."""
+        return self._limit() is None
 
     def _limit(self) -> int | None:
-        for key in ("max_completion_tokens", "max_tokens"):
+        """The token budget as vLLM 0.32 reads it: chat's
+        ``max_completion_tokens`` first (completions ignore it); none (the
+        rest of the context window) for chat without one and for a
+        completions ``max_tokens`` of null; 16 when completions omit it."""
+        keys = ("max_completion_tokens", "max_tokens") if self.kind == CHAT else ("max_tokens",)
+        for key in keys:
             if self.body.get(key) is not None:
                 return as_int(self.body[key], 16)
-        return 16 if self.kind == COMPLETION else None  # vLLM's defaults
+        return 16 if self.kind == COMPLETION and "max_tokens" not in self.body else None
 
     async def continuation(
         self, decode: Decode, max_model_len: int | None = None
@@ -313,6 +318,10 @@ class Book:
             if limit <= len(self.generated):
                 return None
             body["max_tokens"] = limit - len(self.generated)
+        else:
+            # The window is not known: null is the rest of it, as in the
+            # original request (left out, it would be completions' 16).
+            body["max_tokens"] = None
         if self.body.get("min_tokens") is not None:
             body["min_tokens"] = max(as_int(self.body["min_tokens"], 0) - len(self.generated), 0)
         return "/v1/completions", body
