@@ -279,3 +279,22 @@ def test_a_batch_of_prompts_ends_when_every_prompt_has() -> None:
             {"index": index, "text": "a", "token_ids": [1], "finish_reason": "length",
              "prompt_token_ids": [9]}]})  # fmt: skip
     assert book.finish_reason == "length"
+
+
+async def test_usage_in_every_chunk_goes_on_after_the_splice() -> None:
+    # stream_options.continuous_usage_stats: vLLM puts the usage so far in
+    # every chunk; the continuation does not ask for it (its counts would be
+    # of its own prompt), so the proxy's chunks carry the answer's own.
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    book = _book("completion", {"model": "m", "prompt": "x", "max_tokens": 20, "temperature": 0,
+                                "stream": True, "stream_options": opts}, 5)  # fmt: skip
+    _, cont = await book.continuation(_decode)
+    assert "stream_options" not in cont
+    emit = book.on_continuation({"choices": [{"text": "b ", "token_ids": [6]}]})
+    usage = orjson.loads(emit.data[0])["usage"]
+    assert usage == {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}
+    plain = _book("completion", {"model": "m", "prompt": "x", "max_tokens": 20,
+                                 "temperature": 0, "stream": True}, 5)  # fmt: skip
+    await plain.continuation(_decode)
+    emit = plain.on_continuation({"choices": [{"text": "b ", "token_ids": [6]}]})
+    assert "usage" not in orjson.loads(emit.data[0])

@@ -80,6 +80,9 @@ class Book:
     body: dict[str, Any]
     wants_ids: bool
     wants_usage: bool
+    # Usage in every chunk (stream_options.continuous_usage_stats, or a
+    # server that forces usage): the proxy's own chunks carry it too.
+    continuous: bool = False
     prompt_ids: list[int] | None = None
     generated: list[int] = field(default_factory=list)
     template: dict[str, Any] | None = None  # first chunk: id, created, model, ...
@@ -113,13 +116,16 @@ class Book:
     def for_request(cls, kind: str, body: dict[str, Any]) -> Book:
         opts = body.get("stream_options")
         usage = isinstance(opts, dict) and as_bool(opts.get("include_usage"))
+        continuous = (
+            usage and isinstance(opts, dict) and as_bool(opts.get("continuous_usage_stats"))
+        )
         n = body.get("n")
         n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
         # vLLM streams n choices for each prompt of a batch.
         prompts = prompt_count(body) if kind == COMPLETION else 1
         return cls(
             kind=kind, body=body, wants_ids=as_bool(body.get("return_token_ids")),
-            wants_usage=usage, stops=_stops(body), n_choices=n * prompts,
+            wants_usage=usage, stops=_stops(body), n_choices=n * prompts, continuous=continuous,
         )  # fmt: skip
 
     # -- the original stream ------------------------------------------------
@@ -173,6 +179,8 @@ class Book:
             return self._usage_passthrough(chunk)
         if self.template is None:
             self.template = chunk
+            if chunk.get("usage") is not None:  # vLLM forces usage (or was asked)
+                self.continuous = self.wants_usage = True
         elif self.spliced:  # a restart: keep the id the client already saw
             chunk["id"], chunk["created"] = self.template["id"], self.template["created"]
         prompt = chunk.get("prompt_token_ids") or choices[0].get("prompt_token_ids")
@@ -526,7 +534,15 @@ class Book:
                       stop_reason=stop if stop is not None else src.get("stop_reason"),
                       token_ids=ids if self.wants_ids else None)  # fmt: skip
         chunk["choices"] = [choice]
+        if self.continuous:
+            chunk["usage"] = self._usage()
         return _dumps(chunk)
+
+    def _usage(self) -> dict[str, int]:
+        """The answer's usage so far: the original prompt and every id generated."""
+        prompt = len(self.prompt_ids or [])
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.generated),
+                "total_tokens": prompt + len(self.generated)}  # fmt: skip
 
     def closing(self) -> list[bytes]:
         """What the client still needs once the last upstream is done."""
@@ -536,10 +552,8 @@ class Book:
             self.pending = ""
         if self.spliced and self.wants_usage and not self.usage_sent:
             chunk = _base(self.template, self.kind)
-            prompt = len(self.prompt_ids or [])
             chunk["choices"] = []
-            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(self.generated),
-                              "total_tokens": prompt + len(self.generated)}  # fmt: skip
+            chunk["usage"] = self._usage()
             out.append(_dumps(chunk))
             self.usage_sent = True
         return out
