@@ -89,7 +89,8 @@ async def admin_auth(request: web.Request, handler: Handler) -> web.StreamRespon
             raise AdminOff("the admin plane is off: set admin.token (or FTPROXY_ADMIN__TOKEN)")
         given = request.headers.get("Authorization", "")
         expected = f"Bearer {token.get_secret_value()}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        # Not UTF-8 (surrogates, as aiohttp decodes it): a wrong token, not a 500.
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode()):
             raise Unauthorized("missing or wrong admin token")
     return await handler(request)
 

@@ -86,9 +86,12 @@ def check_api_key(headers: Mapping[str, str], keys: list[SecretStr]) -> None:
     given = headers.get("Authorization", "")
     token = given[7:] if given.startswith("Bearer ") else ""
     # Compare against every key so timing does not reveal which one matched.
+    # Header bytes that are not UTF-8 arrive as surrogates: encoded back as
+    # they came, they are a wrong key, not an encoding error (a 500).
+    given_b = token.encode("utf-8", "surrogateescape")
     ok = False
     for key in keys:
-        ok |= hmac.compare_digest(token.encode(), key.get_secret_value().encode())
+        ok |= hmac.compare_digest(given_b, key.get_secret_value().encode())
     if not ok:
         raise Unauthorized("missing or invalid API key")
 

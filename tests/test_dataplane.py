@@ -9,10 +9,11 @@ from collections import Counter
 from typing import Any
 
 import aiohttp
+import pytest
 
 from proxy import sink
 from proxy.rankclient import BadResponse
-from proxy.state import RELAY, TABLE
+from proxy.state import METRICS, RELAY, TABLE
 from tests.conftest import FAST_POLL_S, metric_when, replicas, settings_for
 
 
@@ -232,6 +233,29 @@ async def test_api_keys_are_required_when_configured(fakes, proxy, http) -> None
     async with http.post(p.url + "/v1/completions", json=completion(), headers=headers) as r:
         assert r.status == 200
     assert "authorization" not in {k.lower() for k in json.loads(json.dumps(a.received[0]))}
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+async def test_a_key_that_is_not_utf8_is_a_401_not_a_crash(fakes, proxy, fast_lane) -> None:
+    """Header bytes are the client's: a key or admin token of bytes that are
+    not UTF-8 is a wrong key (401), never a 500 from the comparison."""
+    a = await fakes(name="a")
+    s = settings_for([a], api_keys=["sk-test"], admin={"token": "adm"})
+    s.listen.fast_lane = fast_lane
+    p = await proxy(s)
+    body = json.dumps(completion()).encode()
+    for path in ("/v1/completions", "/admin/ranks"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe-key\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n%s" % (path.encode(), len(body), body))  # fmt: skip
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401"), (path, answer[:300])
+        assert json.loads(payload)["error"]["type"] == "authentication_error"
+    assert p.app[METRICS].internal_errors._value.get() == 0
+    assert a.received == []
 
 
 async def test_sse_survives_many_concurrent_streams(fakes, proxy, http) -> None:
