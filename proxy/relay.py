@@ -236,6 +236,8 @@ class Relay:
         up = attempt.response
         limit = self.settings.limits.max_upstream_body_bytes
         try:
+            if up.complete:  # all in already (the common case): nothing to time
+                return await up.read(limit)
             # read_s bounds each silence; this, the whole: vLLM sends a whole
             # answer at once, so a body still coming after read_s is a drip.
             async with asyncio.timeout(self.settings.timeouts.read_s):
