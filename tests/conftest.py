@@ -108,6 +108,18 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
+async def until(predicate: Callable[[], bool], within_s: float) -> bool:
+    """Whether ``predicate`` holds within ``within_s``, checked every 50 ms
+    (for state no event announces: a table or a pool changed in place)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not predicate():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 async def metric_when(http: aiohttp.ClientSession, url: str, name: str, want: float) -> float:
     """``name``'s value once it is ``want``, or after 2 s, whatever it is then.
 

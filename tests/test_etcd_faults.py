@@ -10,6 +10,7 @@ from aiohttp import web
 
 from proxy.coordination.etcd import Client, Etcd, EtcdError
 from proxy.settings import EtcdConfig
+from tests.conftest import until
 from tests.etcd_server import etcd_server
 
 
@@ -19,20 +20,11 @@ def etcd() -> Iterator[str]:
         yield url
 
 
-async def _until(pred, timeout: float) -> bool:  # noqa: ASYNC109 - a bool, not an error
-    end = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > end:
-            return False
-        await asyncio.sleep(0.05)
-    return True
-
-
 async def test_leadership_comes_back_after_one_failed_renewal(etcd, monkeypatch) -> None:
     coord = Etcd(EtcdConfig(endpoints=[etcd], prefix="/t-lead", lease_ttl_s=6), ["dp-a"])
     task = asyncio.create_task(coord.run())
     try:
-        assert await _until(lambda: coord.is_leader("dp-a"), 5)
+        assert await until(lambda: coord.is_leader("dp-a"), 5)
         real = coord.client.keepalive
         failed = asyncio.Event()
 
@@ -45,7 +37,7 @@ async def test_leadership_comes_back_after_one_failed_renewal(etcd, monkeypatch)
         await asyncio.wait_for(failed.wait(), 30)
         # Stepped down on the error; the lease (6 s) and its key lived on:
         # the next tick (2 s on) finds the key its own and leads again.
-        assert await _until(lambda: coord.is_leader("dp-a"), 5)
+        assert await until(lambda: coord.is_leader("dp-a"), 5)
     finally:
         task.cancel()
         await coord.close()
@@ -87,7 +79,7 @@ async def test_changes_arrive_by_the_watch_not_the_resync(etcd, monkeypatch) -> 
         # A broken stream: polling meanwhile, then watching again.
         await asyncio.wait_for(broke.wait(), 5)
         assert not coord.watching
-        assert await _until(lambda: coord.watching, 5)
+        assert await until(lambda: coord.watching, 5)
         done = {"group": "dp-b", "round_id": "r", "state": "done", "instruction": "retry"}
         for kind, key, value in (("weights", "/t-watch/weights/r0", 0),
                                  ("rounds", "/t-watch/rounds/dp-b", done)):  # fmt: skip

@@ -19,6 +19,7 @@ from proxy.rankclient import RankClient
 from proxy.server import Running
 from proxy.settings import Settings
 from proxy.state import METRICS, RELAY, TABLE
+from tests.conftest import until
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": True, "pace_s": 0.002}
 EVENT = (
@@ -219,11 +220,7 @@ async def test_a_rank_dripping_bytes_without_events_is_a_stall(
     # Held at the stall; the hold ends it (EVENT has no prompt ids to continue from).
     assert orjson.loads(events[-2])["error"]["code"] == "stream_aborted"
     client: RankClient = running.app[RELAY].client
-    for _ in range(40):
-        if not client._all:
-            break
-        await asyncio.sleep(0.05)
-    assert not client._all, "the dripping upstream was left open"
+    assert await until(lambda: not client._all, 2.0), "the dripping upstream was left open"
 
 
 async def test_a_whole_answer_over_the_limit_is_a_502_and_is_not_read_on(
@@ -265,11 +262,7 @@ async def test_a_whole_answer_over_the_limit_is_a_502_and_is_not_read_on(
             assert sent < 8 << 20, f"{how}: the proxy read {sent} bytes of an answer it refused"
     assert running.app[METRICS].upstream_errors.labels("r0", "body_too_large")._value.get() == 3
     client: RankClient = running.app[RELAY].client
-    for _ in range(40):
-        if not client._all:
-            break
-        await asyncio.sleep(0.05)
-    assert not client._all, "the connection of a refused answer was kept"
+    assert await until(lambda: not client._all, 2.0), "the connection of a refused answer was kept"
 
 
 async def test_a_redirect_or_a_200_that_is_not_json_is_a_502_in_the_openai_shape(

@@ -6,7 +6,6 @@ import asyncio
 import re
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from engine_ext.rig.launcher import SERVED_MODEL
 from proxy.ranks import RankTable
 from proxy.server import start
 from proxy.state import METRICS, TABLE
+from tests.conftest import until
 from tests.e2e.conftest import LiveRig, proxy_for, rank_statuses, retry_all
 
 pytestmark = pytest.mark.e2e
@@ -84,15 +84,6 @@ def record_observations(table: RankTable) -> list[tuple[str, str, str | None]]:
     return seen
 
 
-async def eventually(predicate: Callable[[], bool], within_s: float) -> bool:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
-
-
 async def test_fault_push_feed_hold_and_recovery(healthy_rig: LiveRig, rig_proxy) -> None:
     running, table = rig_proxy
     r0, r1 = table.ranks["r0"], table.ranks["r1"]
@@ -109,11 +100,11 @@ async def test_fault_push_feed_hold_and_recovery(healthy_rig: LiveRig, rig_proxy
     print(f"\nfault -> proxy table (rank 1, by {r1.changed_by}): {delay * 1000:.1f} ms; "
           f"publisher -> table: {(r1.push_delay_s or 0) * 1000:.1f} ms")  # fmt: skip
     assert 0 <= delay <= 1.0
-    assert await eventually(lambda: ("r1", "push", "unhealthy") in seen, 5.0)
+    assert await until(lambda: ("r1", "push", "unhealthy") in seen, 5.0)
 
     # Rank 0 follows when its collective times out (~5 s).
     assert await table.wait_for(lambda: r0.status == "unhealthy", 30.0)
-    assert await eventually(lambda: ("r0", "push", "unhealthy") in seen, 5.0)
+    assert await until(lambda: ("r0", "push", "unhealthy") in seen, 5.0)
     if r0.changed_by == "push":
         assert r0.push_delay_s is not None and r0.push_delay_s <= 1.0
     await asyncio.wait_for(driver, 30.0)  # vLLM aborted it; issue of continuity aside
