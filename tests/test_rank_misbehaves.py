@@ -65,6 +65,23 @@ async def rank() -> AsyncIterator[int]:
     await server.wait_closed()
 
 
+class _Flood:
+    """Writes 64 KiB chunks on a connection until it closes, at most 64 MiB
+    (the test ends by itself), counting what it sent."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def start(self, conn: Conn) -> None:
+        asyncio.get_running_loop().create_task(self._run(conn))
+
+    async def _run(self, conn: Conn) -> None:
+        while not conn.closed and self.sent < 64 << 20:
+            conn.write(_chunk(b"y" * 65536))
+            self.sent += 65536
+            await asyncio.sleep(0)
+
+
 async def _proxy(proxy: Callable[..., Any], port: int, **limits: Any) -> Running:
     settings = Settings(
         listen={"host": "127.0.0.1", "port": 0},
@@ -78,19 +95,11 @@ async def _proxy(proxy: Callable[..., Any], port: int, **limits: Any) -> Running
 async def test_an_event_without_end_is_bounded_and_ends_the_stream_with_an_error(
     rank: int, proxy: Callable[..., Any]
 ) -> None:
-    sent = 0
+    flood = _Flood()
 
     def endless(conn: Conn, body: dict[str, Any]) -> None:
         conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(EVENT))
-
-        async def flood() -> None:
-            nonlocal sent
-            while not conn.closed and sent < 64 << 20:  # bounded: the test ends by itself
-                conn.write(_chunk(b"y" * 65536))
-                sent += 65536
-                await asyncio.sleep(0)
-
-        asyncio.get_running_loop().create_task(flood())
+        flood.start(conn)
 
     _Rank.misbehave = endless
     running = await _proxy(proxy, rank)
@@ -102,7 +111,7 @@ async def test_an_event_without_end_is_bounded_and_ends_the_stream_with_an_error
     assert events[-1] == b"[DONE]"
     err = orjson.loads(events[-2])["error"]
     assert err["code"] == "upstream_event_too_large" and "MiB" in err["message"]
-    assert sent < 32 << 20, "the proxy kept reading an event that never ends"
+    assert flood.sent < 32 << 20, "the proxy kept reading an event that never ends"
 
 
 async def test_a_compressed_answer_is_never_passed_on_mislabeled(
@@ -226,26 +235,17 @@ async def test_a_rank_dripping_bytes_without_events_is_a_stall(
 async def test_a_whole_answer_over_the_limit_is_a_502_and_is_not_read_on(
     rank: int, proxy: Callable[..., Any]
 ) -> None:
-    sent = 0
+    flood = _Flood()
 
     def huge(conn: Conn, body: dict[str, Any]) -> None:
-        nonlocal sent
-        sent = 0
+        flood.sent = 0
         how = body["how"]
         if how == "declared":  # announced up front: nothing of it needs reading
             conn.write(_head(b"200 OK", b"application/json", 1 << 40) + b"{")
             return
         status = b"500 Internal Server Error" if how == "error" else b"200 OK"
         conn.write(_head(status, b"application/json", None) + _chunk(b'{"a":"'))
-
-        async def flood() -> None:
-            nonlocal sent
-            while not conn.closed and sent < 64 << 20:  # bounded: the test ends by itself
-                conn.write(_chunk(b"y" * 65536))
-                sent += 65536
-                await asyncio.sleep(0)
-
-        asyncio.get_running_loop().create_task(flood())
+        flood.start(conn)
 
     _Rank.misbehave = huge
     running = await _proxy(proxy, rank, max_upstream_body_bytes=1 << 20)
@@ -259,7 +259,9 @@ async def test_a_whole_answer_over_the_limit_is_a_502_and_is_not_read_on(
                 assert r.status == 502, (how, raw[:200])
             err = orjson.loads(raw)["error"]
             assert err["code"] == "upstream_failed" and "over 1048576 bytes" in err["message"]
-            assert sent < 8 << 20, f"{how}: the proxy read {sent} bytes of an answer it refused"
+            assert flood.sent < 8 << 20, (
+                f"{how}: the proxy read {flood.sent} bytes of an answer it refused"
+            )
     assert running.app[METRICS].upstream_errors.labels("r0", "body_too_large")._value.get() == 3
     client: RankClient = running.app[RELAY].client
     assert await until(lambda: not client._all, 2.0), "the connection of a refused answer was kept"
