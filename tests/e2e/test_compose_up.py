@@ -37,6 +37,7 @@ from tests.e2e.containers import (
     wheel_server,
 )
 from tests.e2e.test_continuity import run_stream
+from tests.optional import unavailable
 
 pytestmark = pytest.mark.e2e
 
@@ -63,23 +64,17 @@ class Timer:
             f"; total {total:.0f}s"  # fmt: skip
 
 
-def unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason}; .ci/run installs podman, runc and docker-compose")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def engine(tmp_path: Path, rig_pool: RigPool) -> Iterator[Engine]:
     rig_pool.close()  # two cores: the host rig's ranks must not compete with the containers
     if missing := missing_tools():
-        unavailable(f"no container engine: {', '.join(missing)} not installed")
+        unavailable("containers", f"no container engine: {', '.join(missing)} not installed")
     with contextlib.ExitStack() as stack:
         try:  # only the engine's start may skip: the test's own errors fail it
             eng = stack.enter_context(podman_service(tmp_path))
             eng.podman("info")
         except RuntimeError as e:
-            unavailable(f"no container engine can start here: {e}")
+            unavailable("containers", f"no container engine can start here: {e}")
         yield eng
 
 
