@@ -58,7 +58,9 @@ async def status(client: AdminClient, once: bool, interval_s: float = 0.5) -> in
         if code != 200:
             console.print(f"[red]{code}[/] {body}")
             return 1
-        if once:
+        # A live table only on a terminal: a script that pipes or captures
+        # the output gets one table and an exit, --once or not.
+        if once or not console.is_terminal:
             console.print(rank_table(body["ranks"]))
             return 0
         with Live(rank_table(body["ranks"]), console=console, refresh_per_second=4) as live:

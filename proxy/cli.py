@@ -27,7 +27,11 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--token", help="admin token (default: $FTPROXY_ADMIN__TOKEN)")
         cmd.add_argument("--ca-file", type=Path, help="CA of an https:// proxy's certificate")
         if name == "status":
-            cmd.add_argument("--once", action="store_true", help="print once and exit")
+            cmd.add_argument(
+                "--once",
+                action="store_true",
+                help="print once and exit (always so when the output is not a terminal)",
+            )
         else:
             cmd.add_argument("group")
             cmd.add_argument("--wait", type=float, default=30.0, help="precondition wait, s")

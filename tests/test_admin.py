@@ -249,6 +249,24 @@ async def test_sighup_reloads_and_cli_shows_the_table(fakes, http, tmp_path) -> 
         out, _ = await cli.communicate()
         assert cli.returncode == 0
         assert b"healthy" in out and b" a " in out and b" b " in out
+        # Piped, it prints once and exits without --once: a script never hangs on it.
+        piped = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy",
+            "status",
+            "--url",
+            url,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "FTPROXY_ADMIN__TOKEN": TOKEN, "COLUMNS": "120"},
+        )
+        try:
+            out, _ = await asyncio.wait_for(piped.communicate(), 20)
+        finally:
+            if piped.returncode is None:
+                piped.kill()
+                await piped.wait()
+        assert piped.returncode == 0 and out.count(b"ft-proxy ranks") == 1
     finally:
         proc.terminate()
         await proc.wait()
