@@ -84,6 +84,9 @@ class _Conn(asyncio.Protocol):
         self.first_read = 0.0  # when its first byte came
         self.head_bytes = 0  # read before the current answer's head was complete
         self.interim = False  # parsing a 1xx answer: not the final one
+        # The final head is in: a field now is a trailer (llhttp reports them
+        # through on_header too), no header of this answer or the next.
+        self.in_body = False
         self.headers: list[tuple[bytes, bytes]] = []
         # Body parts parsed from one read, handed on together (see _flush).
         self.parts: list[bytes] = []
@@ -141,9 +144,11 @@ class _Conn(asyncio.Protocol):
         resp = self.response
         if resp is None or resp.status:  # a final answer already began: one per request
             raise BadResponse("bytes after the end of the rank's answer")
+        self.headers, self.in_body = [], False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.in_body:  # trailers are dropped: nothing the client is to see
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         resp = self.response
@@ -152,6 +157,7 @@ class _Conn(asyncio.Protocol):
         if 100 <= status < 200:  # 100 Continue and the like: the final answer follows
             self.interim, self.headers = True, []
             return
+        self.in_body = True
         resp._headers_in(status, self.headers,
                          self.parser.should_keep_alive())  # fmt: skip
         self.headers = []

@@ -82,9 +82,9 @@ class _Flood:
             await asyncio.sleep(0)
 
 
-async def _proxy(proxy: Callable[..., Any], port: int, **limits: Any) -> Running:
+async def _proxy(proxy: Callable[..., Any], port: int, lane: bool = True, **limits: Any) -> Running:
     settings = Settings(
-        listen={"host": "127.0.0.1", "port": 0},
+        listen={"host": "127.0.0.1", "port": 0, "fast_lane": lane},
         groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}]}],
         timeouts={"poll_interval_s": 0.5}, limits=limits,
     )  # fmt: skip
@@ -336,3 +336,87 @@ async def test_an_error_body_cut_or_dripped_is_a_502_not_an_internal_error(
     metrics = running.app[METRICS]
     assert metrics.upstream_errors.labels("r0", "body_lost")._value.get() == 2
     assert metrics.internal_errors._value.get() == 0
+
+
+# -- one answer never leaks into another ---------------------------------------------
+WHOLE = (
+    b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+    b'"text":"x","token_ids":[1000],"finish_reason":"length"}]}'
+)
+
+
+async def _post(port: int, body: dict[str, Any], path: str = "/v1/completions") -> _Raw:
+    """One request on a connection of its own; the answer as raw bytes."""
+    data = orjson.dumps(body)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            b"POST %s HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (path.encode(), len(data), data)
+        )
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    return _Raw(raw)
+
+
+class _Raw:
+    def __init__(self, raw: bytes) -> None:
+        head, _, self.body = raw.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        self.status = int(lines[0].split(b" ")[1])
+        self.headers = [tuple(line.split(b": ", 1)) for line in lines[1:]]
+        if (b"Transfer-Encoding", b"chunked") in self.headers:
+            self.body = _dechunk(self.body)
+
+    def names(self) -> set[bytes]:
+        return {h[0].lower() for h in self.headers}
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((h[1] for h in self.headers if h[0].lower() == name), None)
+
+    def error(self) -> str:
+        code: str = orjson.loads(self.body)["error"]["code"]
+        return code
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out, body = out + rest[:n], rest[n + 2 :]
+    raise AssertionError("the answer was cut: no last chunk")
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_a_trailer_of_one_answer_is_no_header_of_the_next_clients(
+    rank: int, proxy: Callable[..., Any], lane: bool
+) -> None:
+    conns: list[int] = []
+
+    def trailed(conn: Conn, body: dict[str, Any]) -> None:
+        conns.append(id(conn))
+        if not body.get("trailed"):
+            Conn.on_message_complete(conn)  # the fake's own answer
+            return
+        trailers = b"X-Leak: a\r\nSet-Cookie: s=1\r\nContent-Encoding: gzip\r\n\r\n"
+        conn.write(_head(b"200 OK", b"application/json", None) + _chunk(WHOLE))
+        conn.write(b"0\r\n" + trailers)
+        conn.done()
+
+    _Rank.misbehave = trailed
+    running = await _proxy(proxy, rank, lane)
+    first = await _post(running.port, {**BODY, "stream": False, "trailed": True})
+    assert first.status == 200 and orjson.loads(first.body)["choices"][0]["text"] == "x"
+    for stream in (False, True):  # the next client, on the pooled connection
+        answer = await _post(running.port, {**BODY, "stream": stream})
+        assert answer.status == 200, answer.body[:200]
+        assert answer.names().isdisjoint({b"x-leak", b"set-cookie", b"content-encoding"})
+        if stream:
+            check_stream(Ask(12), sse_payloads(answer.body))
+    assert len(set(conns)) == 1, "the answers were not on one pooled connection"
+    for trailer in (b"x-leak: a", b"set-cookie: s=1"):
+        assert trailer not in _Rank.heads  # nor reached the rank

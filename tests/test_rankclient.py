@@ -411,3 +411,22 @@ async def test_a_head_dripped_line_by_line_times_out(rank) -> None:
     await asyncio.sleep(0.05)
     assert not client._all
     await client.close()
+
+
+async def test_trailer_fields_are_headers_of_no_answer(rank) -> None:
+    """llhttp reports a chunked answer's trailer fields through on_header:
+    they are dropped, never the headers of the next answer on the connection."""
+    trailed = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n"
+        b"0\r\nX-Leak: a\r\nSet-Cookie: s=1\r\nContent-Encoding: gzip\r\n\r\n"
+    )
+    url = await rank(_answers(trailed, OK))
+    client = _client()
+    for _ in range(2):
+        resp = await client.request("POST", url, CIMultiDict(), b"{}")
+        assert await resp.read() == b"{}"
+        names = {n.lower() for n, _ in resp.header_items()}
+        assert names.isdisjoint({"x-leak", "set-cookie", "content-encoding"}), names
+        resp.release()
+    assert len(client._all) == 1  # a clean end: the connection stays in use
+    await client.close()
