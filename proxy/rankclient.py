@@ -443,6 +443,9 @@ class RankResponse:
         returns it to the pool, as :meth:`release`."""
         conn, self._conn = self._conn, None
         if conn is not None:
+            if self._paused:  # a full buffer left unread: pooled, the socket must read again
+                self._paused = False
+                conn.resume()
             conn.done(self.complete and self.keep_alive and self._exc is None)
         if not self.complete:  # a reader still waiting on it ends
             self._fail(RankConnectionError("the answer was closed before its end"))

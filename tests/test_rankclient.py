@@ -16,6 +16,7 @@ from proxy.rankclient import (
     ReadTimeout,
     StaleConnection,
 )
+from tests.conftest import until
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -429,4 +430,21 @@ async def test_trailer_fields_are_headers_of_no_answer(rank) -> None:
         assert names.isdisjoint({"x-leak", "set-cookie", "content-encoding"}), names
         resp.release()
     assert len(client._all) == 1  # a clean end: the connection stays in use
+    await client.close()
+
+
+async def test_an_answer_released_unread_leaves_its_connection_reading(rank) -> None:
+    """All of a large answer came in one read and the reader paused the
+    socket, then released it unread (a 5xx tried elsewhere): the next answer
+    on the pooled connection is read, not left to the read timeout."""
+    big = b"x" * (80 << 10)
+    first = b"HTTP/1.1 500 E\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)
+    url = await rank(_answers(first, OK))
+    client = _client(read_s=2.0)
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")
+    assert await until(lambda: resp.complete, 2.0)
+    assert resp._paused, "the test needs the whole answer in one read"
+    resp.release()
+    assert len(client._all) == 1
+    assert await asyncio.wait_for(_get(client, url), 1.0) == (200, b"{}")
     await client.close()
