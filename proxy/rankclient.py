@@ -154,7 +154,13 @@ class _Conn(asyncio.Protocol):
         resp = self.response
         assert resp is not None
         status = self.parser.get_status_code()
-        if 100 <= status < 200:  # 100 Continue and the like: the final answer follows
+        if not 100 <= status <= 599:
+            # llhttp takes any three digits. 000 left the answer without a
+            # status to wait for (a request that never ended); 099 or 600
+            # would go out as a status line no client reads.
+            resp._fail(BadResponse(f"the rank's answer has status {status:03d}, not 100-599"))
+            raise BadResponse("status out of range")  # stops the parser; the connection closes
+        if status < 200:  # 100 Continue and the like: the final answer follows
             self.interim, self.headers = True, []
             return
         self.in_body = True

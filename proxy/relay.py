@@ -161,8 +161,8 @@ class Relay:
             log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
             return None
         except BadResponse as e:
-            # A malformed answer (status line, headers): the rank is up but
-            # answered nonsense. Like a 5xx: try another, without marking it down.
+            # A malformed answer (status line or code, headers): the rank is up
+            # but answered nonsense. Like a 5xx: try another, without marking it down.
             failures.append(f"{rank.name}: {type(e).__name__}")
             self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
             log.warning("[%s] rank %s sent a malformed answer: %r", out.request_id, rank.name, e)

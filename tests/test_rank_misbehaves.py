@@ -18,7 +18,7 @@ from bench.validate import Ask, check_stream, sse_payloads
 from proxy.rankclient import RankClient
 from proxy.server import Running
 from proxy.settings import Settings
-from proxy.state import METRICS, RELAY, TABLE
+from proxy.state import LIMIT, METRICS, RELAY, TABLE
 from tests.conftest import until
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": True, "pace_s": 0.002}
@@ -420,3 +420,34 @@ async def test_a_trailer_of_one_answer_is_no_header_of_the_next_clients(
     assert len(set(conns)) == 1, "the answers were not on one pooled connection"
     for trailer in (b"x-leak: a", b"set-cookie: s=1"):
         assert trailer not in _Rank.heads  # nor reached the rank
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_a_status_outside_100_to_599_is_a_502_at_once_and_frees_its_place(
+    rank: int, proxy: Callable[..., Any], lane: bool
+) -> None:
+    def bad_status(conn: Conn, body: dict[str, Any]) -> None:
+        conn.write(
+            b"HTTP/1.1 %s X\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+            b"\r\n{}" % body["status"].encode()
+        )
+        conn.done()
+
+    _Rank.misbehave = bad_status
+    running = await _proxy(proxy, rank, lane, max_requests=2)
+    loop = asyncio.get_running_loop()
+    for status in ("000", "099", "600"):
+        for stream in (False, True):
+            started = loop.time()
+            answer = await _post(running.port, {**BODY, "stream": stream, "status": status})
+            assert answer.status == 502, (status, stream, answer.body[:200])
+            assert answer.error() == "upstream_failed"
+            assert loop.time() - started < 2, (status, stream)
+    _Rank.misbehave = None  # the rank answers well again: nothing was left pinned
+    ok = await asyncio.gather(*(_post(running.port, {**BODY, "stream": False}) for _ in range(2)))
+    assert [a.status for a in ok] == [200, 200]
+    metrics = running.app[METRICS]
+    assert metrics.upstream_errors.labels("r0", "bad_response")._value.get() == 6
+    assert metrics.upstream_errors.labels("r0", "connect")._value.get() == 0
+    assert running.app[TABLE].ranks["r0"].routable  # a bad answer, not a rank down
+    assert running.app[LIMIT].in_flight == 0

@@ -433,6 +433,20 @@ async def test_trailer_fields_are_headers_of_no_answer(rank) -> None:
     await client.close()
 
 
+@pytest.mark.parametrize("status", [b"000", b"099", b"600", b"999"])
+async def test_a_status_outside_100_to_599_is_a_bad_answer_at_once(rank, status) -> None:
+    for length in (b"Content-Length: 2\r\n", b""):  # framed, and to the connection's end
+        reply = b"HTTP/1.1 " + status + b" X\r\n" + length + b"\r\n{}"
+        client = _client(read_s=30)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(BadResponse, match="status"):
+            await asyncio.wait_for(_get(client, await rank(_answers(reply))), 5)
+        assert asyncio.get_running_loop().time() - started < 1
+        await asyncio.sleep(0.05)
+        assert not client._all  # closed, never pooled
+        await client.close()
+
+
 async def test_an_answer_released_unread_leaves_its_connection_reading(rank) -> None:
     """All of a large answer came in one read and the reader paused the
     socket, then released it unread (a 5xx tried elsewhere): the next answer
