@@ -131,9 +131,10 @@ class _Conn(asyncio.Protocol):
         resp, self.response = self.response, None
         if resp is None or resp.complete:
             return
-        if resp.status and resp._until_eof:
+        if resp.status and resp._until_eof and exc is None:
             resp._finish()  # an answer delimited by the connection's end: this is it
             return
+        # A reset (exc set) is no end: the answer is cut, however it is framed.
         if not self.got_bytes and self.reused:
             resp._fail(StaleConnection("the rank closed a pooled connection"))
         else:

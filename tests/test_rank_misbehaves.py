@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
@@ -19,7 +21,7 @@ from proxy.rankclient import RankClient
 from proxy.server import Running
 from proxy.settings import Settings
 from proxy.state import LIMIT, METRICS, RELAY, TABLE
-from tests.conftest import until
+from tests.conftest import capture_access_log, until
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": True, "pace_s": 0.002}
 EVENT = (
@@ -48,8 +50,8 @@ class _Rank(Conn):
         _Rank.heads.append(name.lower() + b": " + value)
 
     def on_message_complete(self) -> None:
-        if self.url.startswith(b"/v1/completions"):
-            _Rank.completions += 1
+        if self.url.startswith((b"/v1/completions", b"/tokenize")):
+            _Rank.completions += self.url.startswith(b"/v1/completions")
             if _Rank.misbehave is not None:
                 _Rank.misbehave(self, orjson.loads(b"".join(self.body)))
                 return
@@ -391,6 +393,14 @@ def _dechunk(body: bytes) -> bytes:
     raise AssertionError("the answer was cut: no last chunk")
 
 
+def _reset(conn: Conn) -> None:
+    """Close with a TCP reset (RST), not a FIN."""
+    assert conn.transport is not None
+    sock = conn.transport.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.transport.abort()
+
+
 @pytest.mark.parametrize("lane", [True, False])
 async def test_a_trailer_of_one_answer_is_no_header_of_the_next_clients(
     rank: int, proxy: Callable[..., Any], lane: bool
@@ -451,3 +461,53 @@ async def test_a_status_outside_100_to_599_is_a_502_at_once_and_frees_its_place(
     assert metrics.upstream_errors.labels("r0", "connect")._value.get() == 0
     assert running.app[TABLE].ranks["r0"].routable  # a bad answer, not a rank down
     assert running.app[LIMIT].in_flight == 0
+
+
+def _cut_by_reset(sent: bytes) -> Callable[[Conn, dict[str, Any]], None]:
+    """Answers ``sent`` with no length, not chunked (the body ends where the
+    connection does), then resets the connection; answers well the second time."""
+    answered = 0
+
+    def cut(conn: Conn, body: dict[str, Any]) -> None:
+        nonlocal answered
+        answered += 1
+        if answered > 1:
+            Conn.on_message_complete(conn)
+            return
+        conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + sent)
+
+        async def later() -> None:
+            await asyncio.sleep(0.1)  # the proxy has read what came
+            _reset(conn)
+
+        asyncio.get_running_loop().create_task(later())
+
+    return cut
+
+
+async def test_a_close_delimited_answer_cut_by_a_reset_is_a_502_not_complete(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    _Rank.misbehave = _cut_by_reset(b'{"partial":')
+    running = await _proxy(proxy, rank, lane=False)  # the lane takes no /tokenize
+    log = capture_access_log(running)
+    answer = await _post(running.port, {"model": "m", "prompt": "x"}, "/tokenize")
+    assert answer.status == 502, answer.body[:200]
+    assert answer.error() == "upstream_failed"
+    assert running.app[METRICS].upstream_errors.labels("r0", "body_lost")._value.get() == 1
+    assert await until(lambda: "end=upstream_error" in log.getvalue(), 2.0), log.getvalue()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_a_whole_completion_cut_by_a_reset_is_generated_again_not_passed_on(
+    rank: int, proxy: Callable[..., Any], lane: bool
+) -> None:
+    """All of a JSON object came, then the reset: nothing says the answer
+    ended, so the client gets no part of it but the answer asked again."""
+    _Rank.misbehave = _cut_by_reset(WHOLE)
+    running = await _proxy(proxy, rank, lane)
+    ask = {"model": "m", "prompt": "x", "max_tokens": 12}
+    answer = await _post(running.port, ask)
+    assert answer.status == 200, answer.body[:200]
+    assert orjson.loads(answer.body)["choices"][0]["text"] == "x" * 12  # the second answer's
+    assert _Rank.completions == 2

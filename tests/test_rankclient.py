@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -445,6 +447,30 @@ async def test_a_status_outside_100_to_599_is_a_bad_answer_at_once(rank, status)
         await asyncio.sleep(0.05)
         assert not client._all  # closed, never pooled
         await client.close()
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (RST), not a FIN."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def test_a_close_delimited_answer_cut_by_a_reset_is_lost_a_clean_end_is_not(rank) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"partial":')
+        await writer.drain()
+        await asyncio.sleep(0.1)  # the client has read what came
+        _reset(writer)
+
+    client = _client()
+    resp = await client.request("POST", await rank(serve), CIMultiDict(), b"{}")
+    with pytest.raises(RankConnectionError):
+        await asyncio.wait_for(resp.read(), 5)
+    assert not resp.complete
+    resp.close()
+    await client.close()
 
 
 async def test_an_answer_released_unread_leaves_its_connection_reading(rank) -> None:
