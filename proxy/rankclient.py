@@ -339,15 +339,16 @@ class RankResponse:
             await self._wait()
 
     def header_items(self) -> Iterator[tuple[str, str]]:
-        """The headers as sent, in order, without building a multidict."""
+        """The headers as sent, in order, without building a multidict;
+        values as :func:`_value` reads them."""
         for n, v in self._raw_headers:
-            yield n.decode("latin-1"), v.decode("utf-8", "surrogateescape")
+            yield n.decode("latin-1"), _value(v)
 
     def header(self, name: bytes) -> str | None:
         """The first value of header ``name`` (lower case), if any."""
         for n, v in self._raw_headers:
             if n.lower() == name:
-                return v.decode("utf-8", "surrogateescape")
+                return _value(v)
         return None
 
     @property
@@ -576,6 +577,15 @@ class RankClient:
             conn.close()
         self._idle_conns.clear()
         await asyncio.sleep(0)  # let the transports close
+
+
+def _value(raw: bytes) -> str:
+    """A header value as text: UTF-8, a byte that is not read as U+FFFD.
+    Kept as a surrogate, the fast lane wrote the byte back raw and aiohttp's
+    writer left it out: one rule for both listeners' paths, and never bytes
+    that are not UTF-8 on to the client. (Names are tokens, ASCII: llhttp
+    refuses anything else, as it refuses control bytes in values.)"""
+    return raw.decode("utf-8", "replace")
 
 
 def _declared_length(resp: RankResponse) -> int:

@@ -511,3 +511,25 @@ async def test_a_whole_completion_cut_by_a_reset_is_generated_again_not_passed_o
     assert answer.status == 200, answer.body[:200]
     assert orjson.loads(answer.body)["choices"][0]["text"] == "x" * 12  # the second answer's
     assert _Rank.completions == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_header_byte_that_is_not_utf8_goes_out_the_same_on_both_paths(
+    rank: int, proxy: Callable[..., Any], stream: bool
+) -> None:
+    def odd_header(conn: Conn, body: dict[str, Any]) -> None:
+        ctype = b"text/event-stream" if body["stream"] else b"application/json"
+        head = _head(b"200 OK", ctype, None).removesuffix(b"\r\n")
+        chunks = [EVENT, b"data: [DONE]\n\n"] if body["stream"] else [WHOLE]
+        conn.write(head + b"x-odd: a\xffb\xc3\xa9\r\n\r\n" + b"".join(map(_chunk, chunks)))
+        conn.write(b"0\r\n\r\n")
+        conn.done()
+
+    _Rank.misbehave = odd_header
+    seen: list[bytes | None] = []
+    for lane in (True, False):
+        running = await _proxy(proxy, rank, lane)
+        answer = await _post(running.port, {**BODY, "stream": stream})
+        assert answer.status == 200, answer.body[:200]
+        seen.append(answer.header(b"x-odd"))
+    assert seen == [b"a\xef\xbf\xbdb\xc3\xa9"] * 2  # U+FFFD for the byte, the rest as sent

@@ -473,6 +473,16 @@ async def test_a_close_delimited_answer_cut_by_a_reset_is_lost_a_clean_end_is_no
     await client.close()
 
 
+async def test_header_bytes_that_are_not_utf8_read_as_replacement_characters(rank) -> None:
+    reply = b"HTTP/1.1 200 OK\r\nX-A: a\xffb\xc3\xa9\r\nContent-Length: 2\r\n\r\n{}"
+    client = _client()
+    resp = await client.request("POST", await rank(_answers(reply)), CIMultiDict(), b"{}")
+    assert dict(resp.header_items())["X-A"] == "a\ufffdb\u00e9"
+    assert resp.header(b"x-a") == "a\ufffdb\u00e9"
+    resp.release()
+    await client.close()
+
+
 async def test_an_answer_released_unread_leaves_its_connection_reading(rank) -> None:
     """All of a large answer came in one read and the reader paused the
     socket, then released it unread (a 5xx tried elsewhere): the next answer
