@@ -41,6 +41,11 @@ class StaleConnection(RankConnectionError):
     was reused): nothing was answered, so the request may be sent again."""
 
 
+class PoolFull(Exception):
+    """Every connection the rank may have is busy, and none came free in
+    time. Nothing was sent: the rank is busy, not down."""
+
+
 class BadResponse(Exception):
     """The rank answered bytes that are not HTTP (a status line, a header)."""
 
@@ -462,7 +467,8 @@ class RankResponse:
 class RankClient:
     """Keep-alive connections to ranks, at most ``per_rank`` each (0: no
     limit); an idle one is closed after ``idle_s``, before vLLM closes it
-    (5 s), so a reused connection is rarely one the rank already dropped."""
+    (5 s), so a reused connection is rarely one the rank already dropped.
+    A request waits up to ``slot_s`` for a connection to come free."""
 
     def __init__(
         self,
@@ -471,9 +477,10 @@ class RankClient:
         idle_s: float,
         per_rank: int = 0,
         tls: ssl_module.SSLContext | bool = True,
+        slot_s: float = 30.0,
     ) -> None:
         self.connect_s, self.read_s, self.idle_s = connect_s, read_s, idle_s
-        self.per_rank = per_rank
+        self.per_rank, self.slot_s = per_rank, slot_s
         # For https:// ranks: a context, True (the system's CAs) or False
         # (encrypted, not verified), as proxy.tls.UpstreamTLS.context says.
         self.tls = _client_context(tls)
@@ -488,7 +495,8 @@ class RankClient:
     ) -> RankResponse:
         """Send and wait for the status line and headers. ``fresh``: on a new
         connection, never a pooled one. Raises :class:`StaleConnection` when
-        a pooled connection turns out closed by the rank (safe to resend)."""
+        a pooled connection turns out closed by the rank (safe to resend),
+        :class:`PoolFull` when none came free within ``slot_s``."""
         host, tls = url.raw_host or "", url.scheme == "https"
         port = url.port or (443 if tls else 80)
         key = (host, port, tls)
@@ -533,17 +541,30 @@ class RankClient:
         return proto
 
     async def _slot(self, key: _Key) -> None:
-        """Wait while the rank has ``per_rank`` connections open."""
+        """Wait while the rank has ``per_rank`` connections open, ``slot_s``
+        at most: streams can hold every one for as long as they run."""
+        deadline = self.loop.time() + self.slot_s
         while self.per_rank and self._open.get(key, 0) >= self.per_rank:
             if (idle := self._take_idle(key)) is not None:
                 idle.close()  # an idle connection gives its slot to this new one
                 continue
             waiter = self.loop.create_future()
-            self._slot_waiters.setdefault(key, collections.deque()).append(waiter)
+            waiters = self._slot_waiters.setdefault(key, collections.deque())
+            waiters.append(waiter)
             try:
-                await waiter
-            except BaseException:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except BaseException as e:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_slot(key)  # woken as it gave up: the slot is the next one's
+                elif waiter in waiters:
+                    waiters.remove(waiter)  # not left behind by every request that gave up
                 waiter.cancel()
+                if isinstance(e, TimeoutError):
+                    raise PoolFull(
+                        f"all {self.per_rank} connections to the rank were busy "
+                        f"for {self.slot_s:g}s"
+                    ) from None
                 raise
 
     def _idle(self, conn: _Conn) -> None:

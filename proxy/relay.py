@@ -25,6 +25,7 @@ from proxy.rankclient import (
     BODY_ERRORS,
     BadResponse,
     BodyTooLarge,
+    PoolFull,
     RankClient,
     RankResponse,
     StaleConnection,
@@ -159,6 +160,12 @@ class Relay:
                 rank.name, None, "relay", reachable=False, reason=f"request failed: {e}"
             )
             log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
+            return None
+        except PoolFull as e:
+            # Busy, not down: try another, and leave it routable.
+            failures.append(f"{rank.name}: {e}")
+            self.metrics.upstream_errors.labels(rank.name, "pool_full").inc()
+            log.warning("[%s] rank %s: %s", out.request_id, rank.name, e)
             return None
         except BadResponse as e:
             # A malformed answer (status line or code, headers): the rank is up

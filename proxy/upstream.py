@@ -34,9 +34,10 @@ def make_rank_client(
 ) -> RankClient:
     """The relay's client for client requests (and their continuations):
     ``per_rank`` connections per rank at most, idle ones closed after
-    ``upstream_idle_s``. ``tls``: for https:// ranks, as for
+    ``upstream_idle_s``; a request waits for a free one as long as for a
+    healthy rank (``queue_s``). ``tls``: for https:// ranks, as for
     :func:`make_session`. Must be called with the loop running."""
-    return RankClient(t.connect_s, t.read_s, t.upstream_idle_s, per_rank, tls)
+    return RankClient(t.connect_s, t.read_s, t.upstream_idle_s, per_rank, tls, t.queue_s)
 
 
 def make_session(

@@ -533,3 +533,27 @@ async def test_a_header_byte_that_is_not_utf8_goes_out_the_same_on_both_paths(
         assert answer.status == 200, answer.body[:200]
         seen.append(answer.header(b"x-odd"))
     assert seen == [b"a\xef\xbf\xbdb\xc3\xa9"] * 2  # U+FFFD for the byte, the rest as sent
+
+
+async def test_every_connection_busy_is_a_502_after_the_queue_time_not_a_rank_down(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    settings = Settings(
+        listen={"host": "127.0.0.1", "port": 0},
+        groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{rank}"}]}],
+        timeouts={"poll_interval_s": 0.5, "queue_s": 0.3},
+        limits={"upstream_connections_per_rank": 1},
+    )
+    running = await proxy(settings)
+    url = f"http://127.0.0.1:{running.port}/v1/completions"
+    long = {**BODY, "max_tokens": 100, "pace_s": 0.02}  # holds the one connection ~2 s
+    async with aiohttp.ClientSession() as http, http.post(url, json=long) as held:
+        first = await held.content.readuntil(b"\n\n")
+        started = asyncio.get_running_loop().time()
+        answer = await _post(running.port, {**BODY, "stream": False})
+        assert answer.status == 502 and answer.error() == "upstream_failed"
+        assert b"busy" in answer.body
+        assert asyncio.get_running_loop().time() - started < 1.5
+        check_stream(Ask(100), sse_payloads(first + await held.read()))
+    assert running.app[METRICS].upstream_errors.labels("r0", "pool_full")._value.get() == 1
+    assert running.app[TABLE].ranks["r0"].routable

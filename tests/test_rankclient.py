@@ -13,6 +13,7 @@ from yarl import URL
 
 from proxy.rankclient import (
     BadResponse,
+    PoolFull,
     RankClient,
     RankConnectionError,
     ReadTimeout,
@@ -497,4 +498,31 @@ async def test_an_answer_released_unread_leaves_its_connection_reading(rank) -> 
     resp.release()
     assert len(client._all) == 1
     assert await asyncio.wait_for(_get(client, url), 1.0) == (200, b"{}")
+    await client.close()
+
+
+async def test_waiting_for_a_free_connection_is_bounded(rank) -> None:
+    """Every connection the rank may have is held (a stream that goes on):
+    the next request gives up after slot_s, with nothing sent."""
+    requests = 0
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        await _read_request(reader)
+        requests += 1
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n")
+        await asyncio.sleep(5)
+
+    url = await rank(hold)
+    client = RankClient(connect_s=1.0, read_s=30.0, idle_s=1.0, per_rank=1, slot_s=0.3)
+    held = await client.request("POST", url, CIMultiDict(), b"{}")
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(PoolFull):
+        await asyncio.wait_for(client.request("POST", url, CIMultiDict(), b"{}"), 5)
+    assert 0.25 < asyncio.get_running_loop().time() - started < 2
+    assert requests == 1 and not client._slot_waiters[(url.raw_host, url.port, False)]
+    held.close()  # its slot is free again: the next request goes
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")
+    resp.close()
+    assert requests == 2
     await client.close()
