@@ -10,6 +10,14 @@ Asserted over the whole run: no 5xx; every error the proxy answers is
 OpenAI-shaped JSON; no request the proxy refused reached a rank; nothing
 outside the allow-list reached a rank (counted at the fakes); the good
 streams are exact. The corpus is seeded, so a failure replays.
+
+The hostile-rank half turns it round: good requests, and ranks that answer a
+seeded share of them with trailers, bad status codes, 5xx, odd header bytes,
+bodies over the limit, cut bodies and resets (tests.hostile_rank), through a
+proxy with the fast lane and one without. Each answer is tagged with its
+request: asserted that every client gets exactly its answer or a 502, none
+carries another's bytes or a trailer as a header, the good streams beside
+stay exact, no rank is marked down, and memory stays bounded.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import gzip
 import json
 import os
 import random
+import re
 import time
 import zlib
 from collections import Counter
@@ -27,11 +36,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 
-from proxy.state import SETTINGS
+from bench.validate import Ask, check_stream, check_whole, sse_payloads
+from proxy.settings import Settings
+from proxy.state import LIMIT, SETTINGS, TABLE
 from proxy.target import DEFAULT_FORWARD
 from tests.conftest import settings_for
 from tests.fakes import FakeRank, detok, next_token, tokenize
+from tests.hostile_rank import MISBEHAVIOURS, HostileRank, Plan, choice
 
 SEED = 13
 TOTAL = int(os.environ.get("FTPROXY_FUZZ_TOTAL", "10500"))
@@ -344,3 +357,203 @@ async def test_fuzz(fakes, proxy) -> None:
     assert streams_checked >= 5
     print(f"\nfuzz: {len(cases)} requests in {elapsed:.1f}s, {streams_checked} good streams, "
           f"statuses {dict(sorted(statuses.items()))}, seconds by kind {dict(took)}")  # fmt: skip
+
+
+# -- the hostile-rank half ------------------------------------------------------------
+# Clients send good requests; the ranks answer a seeded share of them badly
+# (tests.hostile_rank). Every answer is tagged with its request.
+HOSTILE_TOTAL = int(os.environ.get("FTPROXY_FUZZ_HOSTILE_TOTAL", "4000"))
+HOSTILE_SHARE = 0.35
+UPSTREAM_LIMIT = 1 << 20  # limits.max_upstream_body_bytes; a flood goes on to 16 MiB
+# What the proxy's memory may grow by over the run; the floods offer hundreds of MiB.
+RSS_GROWTH = 96 << 20
+_TAG = re.compile(rb"(?:fh|good)-[0-9-]+")
+_NEVER = (b"x-leak", b"set-cookie", b"content-encoding")
+
+
+@dataclass
+class Sent:
+    """One client request of the hostile half."""
+
+    rid: str
+    path: str
+    stream: bool
+    tokens: int
+    lane: bool  # to the proxy with the fast lane, or to the one without
+
+    def data(self) -> bytes:
+        body: dict[str, Any] = {"model": "m", "prompt": "x", "max_tokens": self.tokens}
+        if self.path == "/v1/completions":
+            body["stream"] = self.stream
+        return _request("POST", self.path, json.dumps(body).encode(), self.rid, auth=False)
+
+    def expected(self) -> str:
+        """``good`` (the exact answer) or ``502``, from what the rank does first."""
+        what = choice(SEED, HOSTILE_SHARE, self.rid)
+        if what in ("declared", "flood"):
+            return "502"  # over the limit: never passed on, never read on
+        if what in ("cut", "reset") and self.path == "/tokenize":
+            return "502"  # lost: nothing to start again from
+        # Good: the answer itself, the other rank's (a bad status, a 5xx), or
+        # one generated again from the prompt (a completion lost before its end).
+        return "good"
+
+
+def hostile_corpus() -> list[Sent]:
+    rng = random.Random(SEED)
+    out = []
+    for i in range(HOSTILE_TOTAL):
+        path = rng.choice(["/v1/completions", "/v1/completions", "/tokenize"])
+        stream = path == "/v1/completions" and rng.random() < 0.5
+        out.append(Sent(f"fh-{i}", path, stream, rng.randint(1, 4), rng.random() < 0.5))
+    return out
+
+
+@dataclass
+class RawAnswer:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    raw: bytes
+
+
+async def _raw_exchange(port: int, data: bytes) -> RawAnswer:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = [(k.lower(), v) for k, _, v in (line.partition(b": ") for line in lines[1:])]
+    if (b"transfer-encoding", b"chunked") in headers:
+        body = _dechunk(body)
+    return RawAnswer(int(lines[0].split(b" ")[1]), headers, body, raw)
+
+
+def _check_tags(ask: Sent, got: RawAnswer) -> None:
+    """No bytes of another request's answer, no trailer as a header."""
+    names = {k for k, _ in got.headers}
+    assert names.isdisjoint(_NEVER), (ask, got.raw[:400])
+    tags = [v for k, v in got.headers if k == b"x-tag"]
+    assert tags in ([], [ask.rid.encode()]), (ask, tags)
+    others = set(_TAG.findall(got.raw)) - {ask.rid.encode()}
+    assert not others, (ask, others, got.raw[:400])
+
+
+def _check_good(ask: Sent, got: RawAnswer) -> None:
+    assert got.status == 200, (ask, got.raw[:400])
+    if ask.path == "/tokenize":
+        assert orjson.loads(got.body) == {"tag": ask.rid, "count": 3, "tokens": [1, 2, 3]}, ask
+    elif ask.stream:
+        payloads = sse_payloads(got.body)
+        check_stream(Ask(ask.tokens), payloads)
+        ids = {orjson.loads(p)["id"] for p in payloads[:-1]}
+        assert ids == {f"cmpl-{ask.rid}"}, (ask, ids)
+    else:
+        check_whole(Ask(ask.tokens), got.status, got.body)
+        assert orjson.loads(got.body)["id"] == f"cmpl-{ask.rid}", ask
+
+
+def _check(ask: Sent, got: RawAnswer) -> str:
+    """The answer is what the rank's misbehaviour calls for; returns its name."""
+    what = choice(SEED, HOSTILE_SHARE, ask.rid)
+    _check_tags(ask, got)
+    if ask.expected() == "502":
+        assert got.status == 502, (ask, what, got.raw[:400])
+        assert orjson.loads(got.body)["error"]["code"] == "upstream_failed", (ask, what)
+        return what
+    _check_good(ask, got)
+    if what == "odd_header":  # U+FFFD for the byte that is not UTF-8, on both paths
+        assert [v for k, v in got.headers if k == b"x-odd"] == [b"a\xef\xbf\xbdb\xc3\xa9"], ask
+    return what
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def _hostile_good_streams(ports: list[int], stop: asyncio.Event, name: str) -> int:
+    """Exact streams beside the hostile answers, on the same pooled connections."""
+    checked = 0
+    while not stop.is_set():
+        ask = Sent(f"good-{name}-{checked}", "/v1/completions", True, 6, checked % 2 == 0)
+        got = await _raw_exchange(ports[ask.lane], ask.data())
+        _check_tags(ask, got)
+        _check_good(ask, got)
+        checked += 1
+    return checked
+
+
+async def test_fuzz_hostile_ranks(proxy) -> None:
+    plan = Plan(SEED, HOSTILE_SHARE)
+    servers = [await HostileRank.serve(plan) for _ in range(2)]
+    groups = [
+        {
+            "name": f"g{i}",
+            "ranks": [
+                {"name": f"r{i}", "url": f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}"}
+            ],
+        }
+        for i, s in enumerate(servers)
+    ]
+    running = []
+    for lane in (False, True):
+        settings = Settings(
+            listen={"host": "127.0.0.1", "port": 0, "fast_lane": lane},
+            groups=groups,
+            timeouts={"poll_interval_s": 0.05, "queue_s": 2.0},
+            limits={"max_upstream_body_bytes": UPSTREAM_LIMIT},
+        )
+        running.append(await proxy(settings))
+    ports = [r.port for r in running]
+    asks = hostile_corpus()
+    queue: asyncio.Queue[Sent] = asyncio.Queue()
+    for ask in asks:
+        queue.put_nowait(ask)
+    outcomes: Counter[str] = Counter()
+    peak = baseline = _rss()
+
+    async def worker() -> None:
+        while not queue.empty():
+            ask = queue.get_nowait()
+            got = await _raw_exchange(ports[ask.lane], ask.data())
+            outcomes[f"{_check(ask, got)}->{got.status}"] += 1
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, _rss())
+            await asyncio.sleep(0.02)
+
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample())
+    good = [asyncio.create_task(_hostile_good_streams(ports, stop, str(i))) for i in range(2)]
+    started = time.monotonic()
+    try:
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    finally:
+        elapsed = time.monotonic() - started
+        stop.set()
+        streams = sum(await asyncio.gather(*good))
+        sampler.cancel()
+        for s in servers:
+            s.close()
+        await asyncio.gather(sampler, return_exceptions=True)
+    assert set(MISBEHAVIOURS) <= set(plan.done), plan.done  # each one was carried out
+    assert streams >= 10
+    # A flood is cut short: the proxy stops reading at its limit and closes.
+    assert plan.floods and max(plan.floods) < plan.flood_bytes, plan.floods
+    assert peak - baseline < RSS_GROWTH, f"memory grew by {(peak - baseline) >> 20} MiB"
+    for r in running:  # a bad answer is no rank down
+        assert all(rank.routable for rank in r.app[TABLE]), [rank.name for rank in r.app[TABLE]]
+        assert r.app[LIMIT].in_flight == 0
+    # Sent again once at most: to the other rank, or from the prompt; never after a good answer.
+    assert max(plan.attempts.values()) == 2, plan.attempts.most_common(3)
+    print(
+        f"\nfuzz, hostile ranks: {len(asks)} requests in {elapsed:.1f}s, {streams} good "
+        f"streams beside, outcomes {dict(sorted(outcomes.items()))}, floods offered "
+        f"{sum(plan.floods) >> 20} MiB, memory +{(peak - baseline) >> 20} MiB"
+    )
