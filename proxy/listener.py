@@ -37,6 +37,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, _RequestFactory
 from aiohttp.web_request import BaseRequest
 
+from proxy.boundaries import Boundaries
 from proxy.drain import InFlight
 from proxy.errors import error_body
 from proxy.fastlane import Lane, Late, Request
@@ -92,6 +93,10 @@ class OpenAIErrorsHandler(RequestHandler):
     _body_timer: asyncio.TimerHandle | None = None
     _body_wait: InFlight | None = None  # the drain's record of that request
     _body_admitted = False  # it holds a place in the request limit
+    # What aiohttp's parser reads, read again where it would let one request
+    # into the next (proxy.boundaries); the requests it has begun to answer.
+    _boundaries: Boundaries | None = None
+    _requests = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._lane_parts = []
@@ -117,6 +122,8 @@ class OpenAIErrorsHandler(RequestHandler):
         """A request's headers are in: the header timer stops until its answer ends."""
         self._disarm_header_timer()
         self._request_body, self._next_begun = body, False
+        self._requests += 1
+        self._end_if_last()
 
     async def finish_response(
         self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
@@ -151,7 +158,29 @@ class OpenAIErrorsHandler(RequestHandler):
             data, self._lane_parts, self._lane_have = b"".join(self._lane_parts), [], 0
         if self._request_body is not None and self._request_body.is_eof():
             self._next_begun = True
+        self._aiohttp_read(data)
+
+    def _aiohttp_read(self, data: bytes) -> None:
+        if self._close or self._force_close:
+            return  # aiohttp reads nothing more on a connection it closes
+        if self._boundaries is None:
+            self._boundaries = Boundaries()  # from the first byte aiohttp's parser reads
+        self._boundaries.feed(data)
         super().data_received(data)
+        self._end_if_last()
+
+    def _end_if_last(self) -> None:
+        """The request after which the connection must end (proxy.boundaries)
+        has begun: aiohttp answers it, then closes (and drops what it parsed
+        after it, unanswered)."""
+        last = self._boundaries.last if self._boundaries is not None else None
+        if last is not None and self._requests >= last and not self._close:
+            self.close()
+
+    @property
+    def closing(self) -> bool:
+        """No request after the one answered now: its answer says so."""
+        return self._close or self._force_close
 
     def _body_coming(self) -> bool:
         """Whether bytes now are the body of the request aiohttp's path
@@ -373,6 +402,14 @@ def _tell_handler(factory: _RequestFactory) -> _RequestFactory:
     return make
 
 
+async def _say_close(request: web.Request, response: web.StreamResponse) -> None:
+    """An answer after which the connection ends says so (RFC 9112 §9.6):
+    aiohttp writes ``Connection: close`` only when the request asked for it."""
+    protocol = request.protocol
+    if isinstance(protocol, OpenAIErrorsHandler) and protocol.closing:
+        response.headers["Connection"] = "close"
+
+
 class Runner(web.AppRunner):
     """An AppRunner whose connections answer parser errors in the OpenAI shape,
     with header timeouts and a connection limit."""
@@ -387,6 +424,7 @@ class Runner(web.AppRunner):
         self.limits = limits
 
     async def _make_server(self) -> web.Server:
+        self.app.on_response_prepare.append(_say_close)  # before the app is frozen
         server = await super()._make_server()
         # Same server, same state; only the per-connection handler class differs.
         server.__class__ = OpenAIErrorsServer

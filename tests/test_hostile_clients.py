@@ -1,0 +1,184 @@
+"""Nothing of one client request becomes part of another, on both listener
+paths (the fast lane, and ``listen.fast_lane: false``): request trailers and
+upgrade requests. Raw sockets, so each test controls every byte the proxy reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from proxy.server import Running
+from tests.conftest import settings_for
+from tests.test_fastlane import BODY, Answer, _Answers, head
+
+KEY = "Authorization: Bearer k-1"
+DETOKENIZE = b'{"model": "fake-model", "tokens": [1, 2]}'
+
+
+def chunked(body: bytes, *, trailer: bytes = b"", path: str = "/detokenize") -> bytes:
+    """A chunked request (the API key in its head) whose last chunk is followed by ``trailer``."""
+    return (f"POST {path} HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+            f"{KEY}\r\nTransfer-Encoding: chunked\r\n\r\n").encode() + (
+        b"%x\r\n%b\r\n0\r\n%b\r\n" % (len(body), body, trailer))  # fmt: skip
+
+
+class Conversation:
+    """One client connection: what it wrote, and every byte the proxy answered."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.raw = b""
+        self.closed = False  # the proxy closed the connection
+
+    async def read_for(self, wait_s: float, answers: int = 99) -> list[Answer]:
+        """The answers that come within ``wait_s`` (at most ``answers``); raises
+        if the bytes are not a well-framed sequence of HTTP answers."""
+        await self.read_raw(wait_s, lambda: len(self._parse()) >= answers)
+        return self._parse()
+
+    async def read_raw(self, wait_s: float, enough: Callable[[], bool]) -> None:
+        """Read into ``raw`` until ``enough()``, the proxy closes, or ``wait_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not self.closed and not enough():
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                data = await asyncio.wait_for(self.reader.read(65536), left)
+            except TimeoutError:
+                break
+            except ConnectionResetError:
+                data = b""
+            self.raw += data
+            self.closed = not data
+
+    def _parse(self) -> list[Answer]:
+        got = _Answers()
+        got.parser.feed_data(self.raw)  # httptools raises on a desynced connection
+        return got.done
+
+
+@pytest.fixture
+async def talk() -> AsyncIterator[Callable[..., Awaitable[Conversation]]]:
+    """``await talk(port, *writes)``: a connection that writes each of
+    ``writes`` in a read of its own; closed at the test's end."""
+    opened: list[asyncio.StreamWriter] = []
+
+    async def open_(port: int, *writes: bytes) -> Conversation:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        opened.append(writer)
+        for i, data in enumerate(writes):
+            if i:
+                await asyncio.sleep(0.1)
+            try:
+                writer.write(data)
+                await writer.drain()
+            except ConnectionError:
+                break
+        return Conversation(reader, writer)
+
+    yield open_
+    for writer in opened:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+@pytest.fixture(params=[True, False], ids=["lane", "aiohttp"])
+def lane(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+@pytest.fixture
+async def keyed(fakes, proxy, lane) -> tuple[Running, Any]:
+    """A proxy that requires an API key, the lane on or off, over one fake rank."""
+    rank = await fakes(name="a")
+    s = settings_for([rank], api_keys=["k-1"], limits={"keepalive_timeout_s": 10})
+    s.listen.fast_lane = lane
+    return await proxy(s), rank
+
+
+# -- request trailers ------------------------------------------------------------
+async def test_alone_a_request_without_a_key_is_refused(keyed, talk) -> None:
+    """The control for the tests below: the completion they pipeline is a 401 alone."""
+    p, rank = keyed
+    conv = await talk(p.port, head(BODY) + BODY)
+    (answer,) = await conv.read_for(3, answers=1)
+    assert answer.status == 401
+    assert rank.forwarded() == []
+
+
+@pytest.mark.parametrize(
+    "writes",
+    [
+        [chunked(DETOKENIZE, trailer=KEY.encode() + b"\r\n") + head(BODY) + BODY],
+        [chunked(DETOKENIZE, trailer=KEY.encode() + b"\r\n"), head(BODY) + BODY],
+        [chunked(DETOKENIZE, trailer=b"Authoriz")[:-2], b"ation: Bearer k-1\r\n\r\n"
+         + head(BODY) + BODY],
+        [chunked(DETOKENIZE, trailer=b"X-A: 1\r\n" + KEY.encode() + b"\r\n") + head(BODY) + BODY],
+    ],
+    ids=["one read", "next request in a read of its own", "trailer cut in two", "two fields"],
+)  # fmt: skip
+async def test_a_request_trailer_never_becomes_a_header_of_the_next_request(
+    keyed, talk, writes
+) -> None:
+    """aiohttp's parser keeps a chunked request's last trailer field and adds
+    it to the headers of the next request on the connection: a trailer
+    ``Authorization`` authorized a pipelined request that alone is a 401. The
+    trailer request is answered (its trailer fields dropped), says
+    ``Connection: close`` and is the connection's last: the next request never
+    reaches a handler."""
+    p, rank = keyed
+    conv = await talk(p.port, *writes)
+    answers = await conv.read_for(3)
+    assert [a.status for a in answers] == [200], [a.body for a in answers]
+    assert answers[0].headers.get("connection") == "close"
+    assert conv.closed, "the connection stayed open after a request with trailers"
+    assert [path for _, path in rank.forwarded()] == ["/detokenize"]
+
+
+async def test_a_chunked_request_without_trailers_keeps_the_connection(keyed, talk) -> None:
+    """Only trailers end the connection: a plain chunked request is kept alive."""
+    p, _ = keyed
+    conv = await talk(p.port, chunked(DETOKENIZE) + head(BODY, KEY) + BODY)
+    answers = await conv.read_for(3, answers=2)
+    assert [a.status for a in answers] == [200, 200]
+    assert "connection" not in answers[0].headers and not conv.closed
+
+
+# -- upgrade requests ------------------------------------------------------------
+_H2C = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAAP__")
+_UPGRADES = {
+    "h2c": head(BODY, KEY, *_H2C) + BODY,
+    "websocket": head(BODY, KEY, "Connection: Upgrade", "Upgrade: websocket") + BODY,
+    "a GET with h2c": b"GET /health HTTP/1.1\r\nHost: p\r\n" + "\r\n".join(_H2C).encode()
+    + b"\r\n\r\n",
+    "CONNECT": b"CONNECT rank:80 HTTP/1.1\r\nHost: rank:80\r\n\r\n",
+    "an unknown protocol": head(BODY, KEY, "Connection: upgrade", "Upgrade: foo/2") + BODY,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["one read", "two reads"])
+@pytest.mark.parametrize("upgrade", list(_UPGRADES))
+async def test_a_request_after_an_upgrade_request_is_answered_or_closed_at_once(
+    keyed, talk, upgrade, reads
+) -> None:
+    """The proxy switches to no other protocol. After a request llhttp reads
+    as an upgrade, aiohttp's parser dropped what followed it in the same read
+    (h2c, any protocol but WebSocket): a pipelined request waited, unanswered,
+    for the keep-alive time. Now the upgrade request is answered, says
+    ``Connection: close`` and is the connection's last."""
+    p, rank = keyed
+    first, then = _UPGRADES[upgrade], head(BODY, KEY) + BODY
+    conv = await talk(p.port, *([first + then] if reads == 1 else [first, then]))
+    answers = await conv.read_for(1.5)
+    assert conv.closed, f"{len(answers)} answers, then nothing until the keep-alive time"
+    assert len(answers) == 1
+    assert answers[0].headers.get("connection") == "close"
+    assert len(rank.forwarded()) <= 1, "the request after the upgrade reached the rank"
