@@ -35,6 +35,7 @@ from aiohttp import web
 from proxy import accesslog
 from proxy.errors import ProxyShutdown, error_body, error_response
 from proxy.settings import Shutdown
+from proxy.sink import bodiless
 from proxy.sse import DONE, event
 
 log = logging.getLogger("ftproxy.drain")
@@ -51,6 +52,9 @@ class Stream(Protocol):
 
     @property
     def prepared(self) -> bool: ...
+
+    @property
+    def status(self) -> int: ...
 
     async def write(self, data: bytes) -> Any: ...
 
@@ -179,6 +183,8 @@ async def end_cut(entry: InFlight) -> web.Response | None:
     if entry.stream is None or not entry.stream.prepared:
         return error_response(ProxyShutdown(message))
     resp = entry.stream
+    if bodiless(resp.status):  # a 204 or 304 labeled a stream: whole with its head
+        return None
     body = orjson.dumps(error_body(message, "server_error", ProxyShutdown.code))
     # The leading blank line ends a partly written event (a raw relay may be
     # cut inside one); between whole events it is an empty, ignored event.

@@ -39,7 +39,7 @@ from proxy.errors import ProxyError, error_response
 from proxy.fields import parse_object
 from proxy.inbound import RequestTimeout, check_api_key, client_request_id
 from proxy.limits import Overloaded
-from proxy.sink import ChunkSink, Sink
+from proxy.sink import ChunkSink, Sink, bodiless
 from proxy.state import ACCESS_LOG, LIMIT, METRICS, SETTINGS, TRACING
 from proxy.target import parse_forward
 
@@ -378,6 +378,22 @@ def _date() -> str:
     return _date_cache[1]
 
 
+class _NoBody:
+    """The sink of an answer whose status has no body: a rank's body for it
+    is none the client may read (llhttp reads none for such statuses)."""
+
+    direct = True
+
+    async def write(self, data: bytes) -> None:
+        pass
+
+    def write_now(self, data: bytes) -> bool:
+        return True
+
+    async def drain(self) -> None:
+        pass
+
+
 class LaneReply:
     """An answer written straight to the connection, as aiohttp would write it."""
 
@@ -388,6 +404,7 @@ class LaneReply:
         self.keep_alive = keep_alive
         self.status = 0
         self.prepared = False  # the head is written
+        self._bodiless = False  # its status has no body (a 204 or 304 for a stream)
         self.entry: drain.InFlight | None = None
 
     def _write(self, data: bytes) -> None:
@@ -416,20 +433,29 @@ class LaneReply:
         headers["X-Request-Id"] = self.request_id
         if (rec := accesslog.current()) is not None:
             rec.first_byte()  # a whole answer: out now
-        if status in (204, 304):  # no body, no length: as aiohttp writes them
+        if bodiless(status):  # no body, no length: as aiohttp writes them
             self._write(self._head(status, headers, "\r\n"))
             return
         self._write(self._head(status, headers, f"Content-Length: {len(body)}\r\n\r\n") + body)
 
     async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
-        self._write(self._head(status, headers, "Transfer-Encoding: chunked\r\n\r\n"))
+        sink: Sink
+        if bodiless(status):
+            # Neither chunked framing nor a last chunk: the client would read
+            # them as the next answer.
+            self._write(self._head(status, headers, "\r\n"))
+            self._bodiless, sink = True, _NoBody()
+        else:
+            self._write(self._head(status, headers, "Transfer-Encoding: chunked\r\n\r\n"))
+            conn = self.conn
+            sink = ChunkSink(lambda: conn.transport, conn._drain_helper)
         if self.entry is not None:
-            self.entry.stream = self  # ended with an error event if the drain cuts it
-        conn = self.conn
-        return ChunkSink(lambda: conn.transport, conn._drain_helper)
+            self.entry.stream = self  # ended well if the drain cuts it (drain.end_cut)
+        return sink
 
     async def close_stream(self) -> None:
-        self._write(b"0\r\n\r\n")
+        if not self._bodiless:
+            self._write(b"0\r\n\r\n")
 
     # -- proxy.drain.Stream ----------------------------------------------------
     async def write(self, data: bytes) -> None:

@@ -27,6 +27,13 @@ from multidict import CIMultiDict
 HIGH_WATER = 64 * 1024
 
 
+def bodiless(status: int) -> bool:
+    """RFC 9112 §6.3: a 1xx, 204 or 304 answer ends with its head, whatever
+    it is labeled (as aiohttp's ``must_be_empty_body``, less HEAD: the
+    handlers that stream answer POSTs)."""
+    return status < 200 or status in (204, 304)
+
+
 class Sink(Protocol):
     """A stream's body, event by event."""
 

@@ -1,6 +1,7 @@
 """Nothing of one client request becomes part of another, on both listener
-paths (the fast lane, and ``listen.fast_lane: false``): request trailers and
-upgrade requests. Raw sockets, so each test controls every byte the proxy reads.
+paths (the fast lane, and ``listen.fast_lane: false``): request trailers,
+upgrade requests and answers without a body. Raw sockets, so each test
+controls every byte the proxy reads.
 """
 
 from __future__ import annotations
@@ -10,11 +11,17 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import httptools
 import pytest
+from multidict import CIMultiDict
 
+from proxy import drain
+from proxy.drain import Drain
+from proxy.fastlane import LaneReply
 from proxy.server import Running
+from proxy.settings import Settings
 from tests.conftest import settings_for
-from tests.test_fastlane import BODY, Answer, _Answers, head
+from tests.test_fastlane import BODY, STREAM, Answer, _Answers, _Conn, head
 
 KEY = "Authorization: Bearer k-1"
 DETOKENIZE = b'{"model": "fake-model", "tokens": [1, 2]}'
@@ -182,3 +189,127 @@ async def test_a_request_after_an_upgrade_request_is_answered_or_closed_at_once(
     assert len(answers) == 1
     assert answers[0].headers.get("connection") == "close"
     assert len(rank.forwarded()) <= 1, "the request after the upgrade reached the rank"
+
+
+# -- answers without a body ------------------------------------------------------
+class RawRank:
+    """A rank that answers every serving request with ``answer()``'s bytes and
+    records its headers; status polls answer healthy, model lists ``fake-model``."""
+
+    def __init__(self) -> None:
+        self.heads: list[dict[str, str]] = []
+        self.answer: Callable[[], bytes] = lambda: _whole(b"200 OK", b'{"choices": []}')
+        self.port = 0
+        self.conns: list[asyncio.Transport] = []
+
+
+class _RankConn(asyncio.Protocol):
+    def __init__(self, rank: RawRank) -> None:
+        self.rank = rank
+        self.parser = httptools.HttpRequestParser(self)
+        self.url, self.fields = b"", dict[str, str]()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.rank.conns.append(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields[name.decode().lower()] = value.decode()
+
+    def on_message_complete(self) -> None:
+        url, self.url, fields, self.fields = self.url, b"", self.fields, {}
+        assert self.transport is not None
+        if url.startswith(b"/fault_tolerance/status"):
+            answer = _whole(b"200 OK", b'{"engines": [{"id": 0, "status": "healthy"}]}')
+        elif url.startswith(b"/v1/models"):
+            answer = _whole(b"200 OK", b'{"object": "list", "data": [{"id": "fake-model"}]}')
+        else:
+            self.rank.heads.append(fields)
+            answer = self.rank.answer()
+        self.transport.write(answer)
+
+
+def _whole(status: bytes, body: bytes, extra: bytes = b"") -> bytes:
+    return (b"HTTP/1.1 %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%b\r\n%b"
+            % (status, len(body), extra, body))  # fmt: skip
+
+
+@pytest.fixture
+async def raw_rank() -> AsyncIterator[RawRank]:
+    rank = RawRank()
+    server = await asyncio.get_running_loop().create_server(lambda: _RankConn(rank),
+                                                            "127.0.0.1", 0)  # fmt: skip
+    rank.port = server.sockets[0].getsockname()[1]
+    yield rank
+    server.close()
+    for transport in rank.conns:
+        transport.close()
+    await server.wait_closed()
+
+
+async def _over(proxy: Any, rank: RawRank, lane: bool) -> Running:
+    settings = Settings(
+        listen={"host": "127.0.0.1", "port": 0, "fast_lane": lane},
+        groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{rank.port}"}]}],
+        timeouts={"poll_interval_s": 0.5}, limits={"keepalive_timeout_s": 10},
+    )  # fmt: skip
+    running: Running = await proxy(settings)
+    return running
+
+
+@pytest.mark.parametrize("status", [b"204 No Content", b"304 Not Modified"])
+async def test_an_answer_without_a_body_to_a_stream_keeps_the_connection_in_step(
+    proxy, raw_rank, lane, talk, status
+) -> None:
+    """A 204 or 304 (here to a ``stream: true`` request, labeled an event
+    stream) has no body, so no ``Transfer-Encoding`` and no last chunk
+    (RFC 9112 §6.3): the lane wrote ``0\\r\\n\\r\\n`` after the head, which the
+    client read as the next answer's status line."""
+    raw_rank.answer = lambda: b"HTTP/1.1 %b\r\ncontent-type: text/event-stream\r\n\r\n" % status
+    p = await _over(proxy, raw_rank, lane)
+    assert (p.lane is not None) == lane
+    conv = await talk(p.port, head(STREAM) + STREAM + head(BODY) + BODY)
+    answers = await conv.read_for(3, answers=2)
+    code = int(status.split()[0])
+    assert [a.status for a in answers] == [code, code]
+    assert not answers[0].body and "transfer-encoding" not in answers[0].headers
+    assert "content-length" not in answers[0].headers
+    assert not conv.closed
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_a_drain_cut_writes_nothing_after_an_answer_without_a_body(status) -> None:
+    """A graceful stop that ends such a "stream" adds no error event (nor a
+    503 after it): the answer was whole with its head."""
+    conn, drain_ = _Conn(), Drain()
+    reply = LaneReply(conn, drain_, "rid-1", keep_alive=True)  # type: ignore[arg-type]
+    reply.entry = entry = drain_.enter()
+    await reply.open_stream(status, CIMultiDict({"Content-Type": "text/event-stream"}))
+    assert await drain.end_cut(entry) is None
+    await reply.close_stream()
+    written = conn.transport.written
+    assert written.startswith(b"HTTP/1.1 %d " % status) and written.endswith(b"\r\n\r\n")
+    assert written.count(b"\r\n\r\n") == 1, written
+
+
+async def test_an_answer_to_head_has_no_body(proxy, raw_rank, lane, talk) -> None:
+    """HEAD requests (aiohttp's path on either listener: the lane takes POST
+    only) are answered without a body, whatever the route answers, and the
+    next request on the connection is read in step."""
+    p = await _over(proxy, raw_rank, lane)
+    heads = [b"HEAD %b HTTP/1.1\r\nHost: p\r\n\r\n" % path
+             for path in (b"/health", b"/v1/models", b"/v1/completions", b"/nowhere")]  # fmt: skip
+    conv = await talk(p.port, b"".join(heads) + b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n")
+    # Read raw: a response parser cannot know which answers are to HEAD.
+    await conv.read_raw(3, lambda: conv.raw.count(b"HTTP/1.1 ") == 5 and conv.raw.endswith(b"}"))
+    parts = conv.raw.split(b"HTTP/1.1 ")[1:]
+    assert [int(x.split()[0]) for x in parts] == [200, 200, 405, 404, 200]
+    assert all(x.endswith(b"\r\n\r\n") for x in parts[:4]), "a HEAD answer carried a body"
