@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from functools import partial
@@ -27,7 +26,13 @@ from proxy.errors import (
 )
 from proxy.feed import Poller, PushFeed
 from proxy.fields import check_fields
-from proxy.inbound import check_api_key, client_request_id, read_body, read_json
+from proxy.inbound import (
+    check_api_key,
+    client_request_id,
+    new_request_id,
+    read_body,
+    read_json,
+)
 from proxy.limits import RequestLimit
 from proxy.metrics import SAMPLE_EVERY_S, Metrics
 from proxy.ranks import RankTable
@@ -64,7 +69,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost: give every request an id; write its access-log line once it ends."""
-    request_id = client_request_id(request.headers) or f"ftp-{os.urandom(8).hex()}"
+    request_id = client_request_id(request.headers) or new_request_id()
     request[REQUEST_ID] = request_id
     access = request.app[ACCESS_LOG]
     if access is None:
@@ -132,13 +137,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
                 request.transport.abort()
             return request[PREPARED]
         resp = error_response(ProxyError("internal error; see the proxy log for this request id"))
-    if not resp.prepared:
-        resp.headers["X-Request-Id"] = request_id
     return resp
 
 
-async def _mark_prepared(request: web.Request, response: web.StreamResponse) -> None:
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer is about to be written, whole or a stream's head: it
+    carries its request id (the rank's own is replaced: the client's id, or
+    the proxy's, is the one in its logs)."""
     request[PREPARED] = response
+    if (request_id := request.get(REQUEST_ID)) is not None:
+        response.headers["X-Request-Id"] = request_id
 
 
 def _refusal(request: web.Request, err: ProxyError) -> web.Response:
@@ -307,7 +315,7 @@ def build_app(
     drain.install(app, draining)
     app[LIMIT] = limit
     app[SETTINGS] = settings
-    app.on_response_prepare.append(_mark_prepared)
+    app.on_response_prepare.append(_on_prepare)
     access = AccessLog(settings.logging.format) if settings.logging.access_log else None
     app[ACCESS_LOG] = access
     if access is not None:

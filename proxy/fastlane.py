@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import logging
-import os
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -37,7 +36,7 @@ from proxy.accesslog import AccessRecord, End
 from proxy.app import forward_v1
 from proxy.errors import ProxyError, error_response
 from proxy.fields import parse_object
-from proxy.inbound import RequestTimeout, check_api_key, client_request_id
+from proxy.inbound import RequestTimeout, check_api_key, client_request_id, new_request_id
 from proxy.limits import Overloaded
 from proxy.sink import ChunkSink, Sink, bodiless
 from proxy.state import ACCESS_LOG, LIMIT, METRICS, SETTINGS, TRACING
@@ -235,7 +234,7 @@ class Lane:
         """Answer ``req`` as the middlewares and ``proxy_v1`` would; True if
         the connection may carry another request."""
         self.served += 1
-        request_id = client_request_id(req.headers) or f"ftp-{os.urandom(8).hex()}"
+        request_id = client_request_id(req.headers) or new_request_id()
         reply = LaneReply(conn, self.drain, request_id, req.keep_alive)
         rec = AccessRecord(request_id, "POST", req.path) if self.access is not None else None
         token = accesslog.CURRENT.set(rec) if rec is not None else None
@@ -439,6 +438,7 @@ class LaneReply:
         self._write(self._head(status, headers, f"Content-Length: {len(body)}\r\n\r\n") + body)
 
     async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
+        headers["X-Request-Id"] = self.request_id
         sink: Sink
         if bodiless(status):
             # Neither chunked framing nor a last chunk: the client would read

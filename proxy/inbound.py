@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -104,3 +105,8 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
     """The client's X-Request-Id if it is safe to reuse, else None (a fresh one is made)."""
     given = headers.get("X-Request-Id")
     return given if given is not None and _REQUEST_ID.fullmatch(given) else None
+
+
+def new_request_id() -> str:
+    """A request id of the proxy's own (answers with no usable client id, or no request)."""
+    return f"ftp-{os.urandom(8).hex()}"

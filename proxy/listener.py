@@ -41,6 +41,7 @@ from proxy.boundaries import Boundaries
 from proxy.drain import InFlight
 from proxy.errors import error_body
 from proxy.fastlane import Lane, Late, Request
+from proxy.inbound import new_request_id
 from proxy.settings import Limits
 
 log = logging.getLogger("ftproxy.listener")
@@ -56,13 +57,19 @@ _MAX_PENDING = 1 << 20
 _MAX_READS = 16
 
 
-def raw_answer(status: int, text: str, code: str, retry_after_s: int | None = None) -> bytes:
-    """A whole HTTP/1.1 error answer, for when there is no request to answer through."""
+def raw_answer(
+    status: int, text: str, code: str, retry_after_s: int | None = None, request_id: str = ""
+) -> bytes:
+    """A whole HTTP/1.1 error answer, for when there is no request to answer
+    through; with a request id of its own unless given one."""
     type_ = "server_error" if status >= 500 else "invalid_request_error"
     body = json.dumps(error_body(text, type_, code)).encode()
-    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
-            "Content-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n")  # fmt: skip
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        f"X-Request-Id: {request_id or new_request_id()}\r\n"
+    )
     if retry_after_s is not None:
         head += f"Retry-After: {retry_after_s}\r\n"
     return head.encode() + b"\r\n" + body
@@ -103,9 +110,10 @@ class OpenAIErrorsHandler(RequestHandler):
         super().connection_made(transport)
         server = self._manager
         if server is not None and len(server.connections) > self.limits.max_connections:
-            log.warning("connection refused: %d open (limits.max_connections)",
-                        len(server.connections) - 1)  # fmt: skip
-            self._refuse(raw_answer(503, "too many connections; retry", "overloaded", 1))
+            rid = new_request_id()
+            open_ = len(server.connections) - 1
+            log.warning("[%s] connection refused: %d open (limits.max_connections)", rid, open_)
+            self._refuse(raw_answer(503, "too many connections; retry", "overloaded", 1, rid))
             return
         self._arm_header_timer()
 
@@ -338,9 +346,13 @@ class OpenAIErrorsHandler(RequestHandler):
 
     def _header_timeout(self) -> None:
         self._header_timer = None
-        log.info("closing a connection that sent no complete request headers in %.0fs",
-                 self.limits.header_timeout_s)  # fmt: skip
-        self._refuse(raw_answer(408, "request headers not received in time", "request_timeout"))
+        rid = new_request_id()
+        wait_s = self.limits.header_timeout_s
+        log.info(
+            "[%s] closing a connection that sent no complete request headers in %.0fs", rid, wait_s
+        )
+        text = "request headers not received in time"
+        self._refuse(raw_answer(408, text, "request_timeout", request_id=rid))
 
     def _refuse(self, answer: bytes) -> None:
         transport = self.transport
@@ -355,10 +367,11 @@ class OpenAIErrorsHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        rid = new_request_id()  # aiohttp's own answer: no app, no request id yet
         if status >= 500:
-            log.error("error handling request from %s", request.remote, exc_info=exc)
+            log.error("[%s] error handling request from %s", rid, request.remote, exc_info=exc)
         else:
-            log.info("bad HTTP request from %s: %s", request.remote, exc or message)
+            log.info("[%s] bad HTTP request from %s: %s", rid, request.remote, exc or message)
         if request.writer.output_size > 0:  # as aiohttp: too late for an answer
             raise ConnectionError("response already sent, cannot send an error")
         if status >= 500:
@@ -370,6 +383,7 @@ class OpenAIErrorsHandler(RequestHandler):
             status=status,
             text=json.dumps(error_body(text, type_, code)),
             content_type="application/json",
+            headers={"X-Request-Id": rid},
         )
         resp.force_close()  # the parser's state is unknown: no next request on it
         return resp

@@ -1,13 +1,14 @@
 """Nothing of one client request becomes part of another, on both listener
 paths (the fast lane, and ``listen.fast_lane: false``): request trailers,
-upgrade requests and answers without a body. Raw sockets, so each test
-controls every byte the proxy reads.
+upgrade requests, answers without a body, and every answer's request id.
+Raw sockets, so each test controls every byte the proxy reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -313,3 +314,41 @@ async def test_an_answer_to_head_has_no_body(proxy, raw_rank, lane, talk) -> Non
     parts = conv.raw.split(b"HTTP/1.1 ")[1:]
     assert [int(x.split()[0]) for x in parts] == [200, 200, 405, 404, 200]
     assert all(x.endswith(b"\r\n\r\n") for x in parts[:4]), "a HEAD answer carried a body"
+
+
+# -- X-Request-Id ----------------------------------------------------------------
+@pytest.mark.parametrize("given", [None, "mine-42"])
+async def test_a_streamed_answer_carries_its_request_id(fakes, proxy, lane, talk, given) -> None:
+    rank = await fakes(name="a")
+    s = settings_for([rank])
+    s.listen.fast_lane = lane
+    p = await proxy(s)
+    extra = (f"X-Request-Id: {given}",) if given else ()
+    conv = await talk(p.port, head(STREAM, *extra) + STREAM)
+    (answer,) = await conv.read_for(3, answers=1)
+    assert answer.status == 200 and answer.body.endswith(b"data: [DONE]\n\n")
+    assert answer.headers["transfer-encoding"] == "chunked"
+    rid = answer.headers.get("x-request-id")
+    assert rid == given if given else rid is not None and rid.startswith("ftp-")
+
+
+@pytest.mark.parametrize(
+    "raw, status",
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\x00y\r\n\r\n", 400),  # refused by aiohttp's parser
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 408),  # headers never end
+    ],
+    ids=["parser error", "header timeout"],
+)
+async def test_answers_made_without_a_request_carry_a_request_id(
+    fakes, proxy, lane, talk, raw, status
+) -> None:
+    rank = await fakes(name="a")
+    s = settings_for([rank], limits={"header_timeout_s": 0.3})
+    s.listen.fast_lane = lane
+    p = await proxy(s)
+    conv = await talk(p.port, raw)
+    (answer,) = await conv.read_for(3, answers=1)
+    assert answer.status == status
+    assert answer.headers.get("x-request-id", "").startswith("ftp-")
+    assert json.loads(answer.body)["error"]["code"]
