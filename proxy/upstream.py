@@ -66,12 +66,16 @@ def request_headers(
     incoming: Mapping[str, str], request_id: str, strip_auth: bool
 ) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
+    named: list[str] = []
     for k, v in incoming.items():
         lk = k.lower()
+        if lk == "connection":
+            named.append(v)
         # The body goes on decoded (proxy.inbound), so its encoding header does not.
         if lk in _HOP_BY_HOP or lk in _ENCODINGS or (strip_auth and lk == "authorization"):
             continue
         out.add(k, v)
+    _drop_named(out, named)
     # The proxy reads generation answers (holds, continuations): uncompressed.
     out["Accept-Encoding"] = "identity"
     out["X-Request-Id"] = request_id
@@ -80,4 +84,21 @@ def request_headers(
 
 def response_headers(upstream: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
     """A rank's answer headers (``RankResponse.header_items()``) for the client."""
-    return CIMultiDict((k, v) for k, v in upstream if k.lower() not in _HOP_BY_HOP)
+    out: CIMultiDict[str] = CIMultiDict()
+    named: list[str] = []
+    for k, v in upstream:
+        lk = k.lower()
+        if lk == "connection":
+            named.append(v)
+        elif lk not in _HOP_BY_HOP:
+            out.add(k, v)
+    _drop_named(out, named)
+    return out
+
+
+def _drop_named(headers: CIMultiDict[str], connection: list[str]) -> None:
+    """RFC 9110 §7.6.1: the fields a ``Connection`` header names are this
+    hop's (``Connection: keep-alive, X-Secret``), never forwarded."""
+    for value in connection:
+        for name in value.split(","):
+            headers.popall(name.strip(), None)

@@ -1,7 +1,7 @@
 """Nothing of one client request becomes part of another, on both listener
 paths (the fast lane, and ``listen.fast_lane: false``): request trailers,
-upgrade requests, answers without a body, and every answer's request id.
-Raw sockets, so each test controls every byte the proxy reads.
+upgrade requests, answers without a body, and the headers a client names
+hop-by-hop. Raw sockets, so each test controls every byte the proxy reads.
 """
 
 from __future__ import annotations
@@ -352,3 +352,23 @@ async def test_answers_made_without_a_request_carry_a_request_id(
     assert answer.status == status
     assert answer.headers.get("x-request-id", "").startswith("ftp-")
     assert json.loads(answer.body)["error"]["code"]
+
+
+# -- hop-by-hop headers ----------------------------------------------------------
+async def test_headers_named_in_connection_are_not_forwarded(proxy, raw_rank, lane, talk) -> None:
+    """RFC 9110 §7.6.1: the fields a ``Connection`` header names are for this
+    hop only; a proxy removes them (with the hop-by-hop set) before
+    forwarding, in either direction."""
+    hop = b"connection: x-rank-hop\r\nx-rank-hop: r\r\nx-rank-kept: k\r\n"
+    raw_rank.answer = lambda: _whole(b"200 OK", b'{"choices": []}', hop)
+    p = await _over(proxy, raw_rank, lane)
+    hops = ("Connection: keep-alive, X-Hop", "X-Hop: secret", "Connection: X-Second",
+            "X-Second: 2", "X-Kept: yes")  # fmt: skip
+    conv = await talk(p.port, head(BODY, *hops) + BODY)
+    (answer,) = await conv.read_for(3, answers=1)
+    assert answer.status == 200, answer.body
+    (seen,) = raw_rank.heads
+    assert seen.get("x-kept") == "yes"
+    assert "x-hop" not in seen and "x-second" not in seen, seen
+    assert "connection" not in seen
+    assert answer.headers.get("x-rank-kept") == "k" and "x-rank-hop" not in answer.headers
