@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import zlib
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from proxy.state import METRICS, RELAY
-from tests.conftest import replicas, settings_for
+from tests.conftest import free_port, replicas, serve_process, settings_for
 from tests.fakes import detok, tokenize
 from tests.test_continuity import (
     HOLD,
@@ -191,3 +195,92 @@ async def test_held_streams_are_capped_at_the_limit_and_the_rest_stay_exact(
     assert refused >= 1
     assert p.app[METRICS].stream_errors.labels("hold_capacity")._value.get() == refused
     assert p.app[RELAY].held == 0
+
+
+@pytest.mark.parametrize("path, limit", [("/v1/embeddings", 1 << 20), ("/admin/ranks/a", 64 << 10)])
+@pytest.mark.parametrize("framing", ["chunked", "gzip"])
+async def test_a_body_limit_holds_however_the_body_is_framed(fakes, proxy, path, limit, framing):
+    """The limit counts what the body decodes to, as it is read: a chunked or
+    compressed body is refused once past it (an /admin body was read whole
+    up to limits.max_body_bytes before: its own 64 KiB limit held only for a
+    Content-Length or a body all in with its head)."""
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], admin={"token": "t0k"}, limits={"max_body_bytes": 1 << 20}))
+    body = b'{"weight": 1, "pad": "' + b" " * limit + b'"}'
+    method = "PATCH" if path.startswith("/admin") else "POST"
+    head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Authorization: Bearer t0k\r\n").encode()  # fmt: skip
+    if framing == "chunked":
+        raw = head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    else:
+        packed = zlib.compress(body, wbits=31)
+        raw = head + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%b" % (
+            len(packed),
+            packed,
+        )
+    reader, writer = await _open(p.port)
+    try:
+        cut = len(head) + 100
+        writer.write(raw[:cut])  # the body still coming when the handler reads it
+        await asyncio.sleep(0.1)
+        writer.write(raw[cut:])
+        answer = await asyncio.wait_for(reader.readuntil(b"}}"), 5)
+    finally:
+        writer.close()
+    assert _status(answer) == 413, answer
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "payload_too_large"
+    assert a.forwarded() == []
+
+
+def _bomb(wbits: int, size: int) -> bytes:
+    """``size`` spaces compressed (wbits 31: gzip, 15: zlib's deflate), made
+    a MiB at a time."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, wbits)
+    block = b" " * (1 << 20)
+    return b"".join(packer.compress(block) for _ in range(size >> 20)) + packer.flush()
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+async def _post_encoded(port: int, body: bytes, encoding: str) -> int:
+    reader, writer = await _open(port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Encoding: %s\r\nContent-Length: %d\r\n\r\n%s"
+                     % (encoding.encode(), len(body), body))  # fmt: skip
+        return _status(await asyncio.wait_for(reader.readline(), 10))
+    finally:
+        writer.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+async def test_a_compression_bomb_is_refused_with_memory_near_the_body_limit(
+    fakes, http, tmp_path
+) -> None:
+    """A body decoded as it is read, never more of it held than the limit:
+    before, aiohttp decoded it a body limit at a time into a buffer twice
+    that, and peak RSS rose 8-10 times the limit (66-83 MiB on 8 MiB)."""
+    a = await fakes(name="a")
+    port, cfg, limit_mib = free_port(), tmp_path / "proxy.yaml", 8
+    cfg.write_text(json.dumps({
+        "listen": {"host": "127.0.0.1", "port": port}, "logging": {"access_log": False},
+        "limits": {"max_body_bytes": limit_mib << 20},
+        "groups": [{"name": "g", "ranks": [{"name": "a", "url": a.url}]}],
+    }))  # fmt: skip
+    proc, _ = await serve_process(http, cfg, port, ready="/health")
+    try:
+        small = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 1}'
+        assert await _post_encoded(port, zlib.compress(small), "deflate") == 200  # warmed up
+        before = _peak_rss_mib(proc.pid)
+        for encoding, wbits in (("gzip", 31), ("deflate", 15)):
+            assert await _post_encoded(port, _bomb(wbits, 200 << 20), encoding) == 413
+        rise = _peak_rss_mib(proc.pid) - before
+        assert rise < 2 * limit_mib, f"peak RSS rose {rise:.1f} MiB"
+    finally:
+        proc.terminate()
+        await proc.wait()
