@@ -29,6 +29,9 @@ from yarl import URL
 _HIGH_WATER = 64 * 1024
 # An answer's status line and headers (interim 1xx answers included) may take
 # this much: a head that never ends is a bad answer, not unbounded memory.
+# So may the bytes between two body bytes (chunk framing, extensions) and a
+# trailer section: llhttp sets no limit there, and httptools gathers a
+# field's value whole.
 MAX_HEAD = 64 * 1024
 
 
@@ -88,6 +91,8 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = False  # of the current answer
         self.first_read = 0.0  # when its first byte came
         self.head_bytes = 0  # read before the current answer's head was complete
+        self.dry = 0  # read since the head or the last body byte, none among them
+        self.body_read = False  # the current read held a body byte
         self.interim = False  # parsing a 1xx answer: not the final one
         # The final head is in: a field now is a trailer (llhttp reports them
         # through on_header too), no header of this answer or the next.
@@ -109,6 +114,7 @@ class _Conn(asyncio.Protocol):
         if not self.got_bytes:
             self.got_bytes, self.first_read = True, now
         self.last_read = now
+        had_head, self.body_read = bool(resp.status), False
         try:
             self.parser.feed_data(data)
         except _PARSE_ERRORS as e:
@@ -127,6 +133,12 @@ class _Conn(asyncio.Protocol):
             self.head_bytes += len(data)
             if self.head_bytes > MAX_HEAD:
                 resp._fail(BadResponse(f"the rank's answer head is over {MAX_HEAD} bytes"))
+                self.close()
+        elif had_head and not resp.complete:
+            self.dry = 0 if self.body_read else self.dry + len(data)
+            if self.dry > MAX_HEAD:
+                what = f"over {MAX_HEAD} bytes without a body byte (chunk framing, trailers)"
+                resp._fail(BadResponse(f"the rank sent {what}"))
                 self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -176,6 +188,7 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.parts.append(body)
+        self.body_read = True
 
     def _flush(self) -> None:
         """Hand on the body parts of one read as one: a read holding several
@@ -204,7 +217,7 @@ class _Conn(asyncio.Protocol):
         if self.idle_handle is not None:
             self.idle_handle.cancel()
             self.idle_handle = None
-        self.response, self.got_bytes, self.head_bytes = resp, False, 0
+        self.response, self.got_bytes, self.head_bytes, self.dry = resp, False, 0, 0
         self.last_read = self.pool.loop.time()
         self._arm_read()
         self.transport.write(data)

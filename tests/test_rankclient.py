@@ -526,3 +526,35 @@ async def test_waiting_for_a_free_connection_is_bounded(rank) -> None:
     resp.close()
     assert requests == 2
     await client.close()
+
+
+async def test_a_trailer_section_or_chunk_framing_without_end_is_bounded(rank) -> None:
+    """llhttp sets no limit past the head and httptools gathers a field's
+    value whole: a trailer that never ends, or chunk extensions that never
+    reach their data, grew memory for as long as the rank sent them."""
+    sent: list[int] = []
+
+    def endless(start: bytes) -> Serve:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n")
+            writer.write(start)
+            sent.append(0)
+            while sent[-1] < 64 << 20:  # bounded: the test ends by itself
+                writer.write(b"y" * 65536)
+                sent[-1] += 65536
+                await writer.drain()
+
+        return serve
+
+    for start in (b"0\r\nX-Big: ", b"0\r\n" + b"X-Many: v\r\n" * 8, b"1;ext="):
+        client = _client(read_s=30)
+        resp = await client.request("POST", await rank(endless(start)), CIMultiDict(), b"{}")
+        with pytest.raises(BadResponse, match="without a body byte"):
+            await asyncio.wait_for(resp.read(), 10)
+        resp.close()
+        assert sent[-1] < 4 << 20, f"{start!r}: read {sent[-1]} bytes past the answer's body"
+        await asyncio.sleep(0.05)
+        assert not client._all  # closed, never pooled
+        await client.close()
+
