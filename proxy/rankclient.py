@@ -308,6 +308,11 @@ class RankResponse:
         self.status, self._raw_headers, self.keep_alive = status, raw, keep_alive
         framed = any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in raw)
         self._until_eof = not framed and status >= 200 and status not in (204, 304)
+        if status in (204, 304) and _frames_a_body(status, raw):
+            # llhttp reads no body here, as it must; a rank whose head says
+            # one follows may send it still, and on a pooled connection those
+            # bytes would be read as the next request's answer.
+            self.keep_alive = False
         self._wake()
 
     def _body(self, data: bytes) -> None:
@@ -620,6 +625,19 @@ def _value(raw: bytes) -> str:
     that are not UTF-8 on to the client. (Names are tokens, ASCII: llhttp
     refuses anything else, as it refuses control bytes in values.)"""
     return raw.decode("utf-8", "replace")
+
+
+def _frames_a_body(status: int, raw: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the head of a 204 or 304 frames a body: chunked, or (a 204) a
+    length other than 0. A 304's length is that of the representation it
+    stands for (RFC 9110 8.6), no body to come."""
+    for n, v in raw:
+        name = n.lower()
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length" and status == 204 and v.strip() != b"0":
+            return True
+    return False
 
 
 def _declared_length(resp: RankResponse) -> int:

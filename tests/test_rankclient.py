@@ -558,3 +558,33 @@ async def test_a_trailer_section_or_chunk_framing_without_end_is_bounded(rank) -
         assert not client._all  # closed, never pooled
         await client.close()
 
+
+async def test_a_204_or_304_that_declares_a_body_does_not_leave_it_to_the_next_answer(
+    rank,
+) -> None:
+    """A 204 or 304 has no body, whatever its head says; one whose head frames
+    a body (a length, chunked) may send it still, and on a pooled connection
+    those bytes were read as the next request's answer."""
+    no_content = b"HTTP/1.1 204 No Content\r\nContent-Length: 7\r\n\r\n"
+    not_modified = b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n"
+    for head in (no_content, not_modified):
+        conns = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal conns
+            conns += 1
+            await _read_request(reader)
+            if conns > 1:
+                writer.write(OK)
+                await reader.read()
+                return
+            writer.write(head)  # noqa: B023
+            await writer.drain()
+            await _read_request(reader)  # the next request, if the connection was reused
+            writer.write(b"forged!" + OK)  # the body the head declared comes late
+
+        client = _client()
+        url = await rank(serve)
+        assert (await _get(client, url))[0] in (204, 304)
+        assert await asyncio.wait_for(_get(client, url), 5) == (200, b"{}"), head
+        await client.close()
