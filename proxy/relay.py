@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from multidict import CIMultiDict
 
 from proxy import accesslog
+from proxy.accesslog import End
 from proxy.balancer import SmoothWeightedBalancer
 from proxy.errors import NoHealthyRank, UpstreamFailed
 from proxy.metrics import Metrics
@@ -27,7 +28,9 @@ from proxy.rankclient import (
     BodyTooLarge,
     PoolFull,
     RankClient,
+    RankConnectionError,
     RankResponse,
+    ReadTimeout,
     StaleConnection,
 )
 from proxy.ranks import Rank, RankTable
@@ -41,6 +44,10 @@ log = logging.getLogger("ftproxy.relay")
 
 # Errors that mean "this rank did not take the request": safe to send elsewhere.
 _CONNECT_ERRORS = (asyncio.TimeoutError, OSError)
+# What reading a rank's answer raises when it is lost: the rank's failure.
+# (BODY_ERRORS less a client's: writing to a client that left raises a
+# ConnectionResetError, which is the client's.)
+_ANSWER_LOST = (RankConnectionError, ReadTimeout, BadResponse)
 
 
 @dataclass
@@ -280,14 +287,28 @@ class Relay:
         try:
             sink = await reply.open_stream(up.status, headers)
             rec = accesslog.current()
-            async for chunk in up.chunks():
-                if rec is not None:
-                    rec.first_byte()
-                    rec = None
-                await sink.write(chunk)
+            try:
+                async for chunk in up.chunks():
+                    if rec is not None:
+                        rec.first_byte()
+                        rec = None
+                    await sink.write(chunk)
+            except _ANSWER_LOST as e:
+                self._lost_mid_stream(attempt, e)
+                reply.abort()  # no last chunk: the client cannot take it as complete
+                return
             await reply.close_stream()
             complete = True
         finally:
             # Incomplete (client gone, cancelled, error): close, never pool,
             # so the rank sees the disconnect and aborts the request.
             up.release() if complete else up.close()
+
+    def _lost_mid_stream(self, attempt: Attempt, e: Exception) -> None:
+        """A stream passed on as it comes, lost: the rank's failure, counted
+        and logged as one (never an internal error)."""
+        self.metrics.upstream_errors.labels(attempt.rank.name, "body_lost").inc()
+        rid, name = accesslog.request_id() or "-", attempt.rank.name
+        log.warning("[%s] rank %s: the stream was lost; the client's is cut: %r", rid, name, e)
+        if (rec := accesslog.current()) is not None:
+            rec.end = End.UPSTREAM_ERROR

@@ -58,6 +58,10 @@ class Reply(Protocol):
 
     async def close_stream(self) -> None: ...
 
+    def abort(self) -> None:
+        """End an answer begun at once, without its end: the client sees it cut."""
+        ...
+
 
 class ChunkSink:
     """Chunked framing onto ``transport``; ``drain`` waits while the client is not reading."""
@@ -128,6 +132,10 @@ class AioReply:
     async def close_stream(self) -> None:
         assert self.response is not None
         await self.response.write_eof()
+
+    def abort(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.abort()
 
     def answer(self) -> web.StreamResponse:
         assert self.response is not None, "the handler gave no answer"

@@ -557,3 +557,35 @@ async def test_every_connection_busy_is_a_502_after_the_queue_time_not_a_rank_do
         check_stream(Ask(100), sse_payloads(first + await held.read()))
     assert running.app[METRICS].upstream_errors.labels("r0", "pool_full")._value.get() == 1
     assert running.app[TABLE].ranks["r0"].routable
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_an_answer_passed_on_as_a_stream_and_lost_is_cut_not_an_internal_error(
+    rank: int, proxy: Callable[..., Any], lane: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error answer that is a stream goes to the client as it comes; the
+    rank's connection lost mid-way is the rank's failure: the client's answer
+    is cut (no last chunk: it cannot read it as complete), never a 500
+    internal error with a traceback in the log."""
+    error = b'data: {"error": {"message": "engine dead", "code": 500}}\n\n'
+
+    def lost(conn: Conn, body: dict[str, Any]) -> None:
+        conn.write(_head(b"500 Internal Server Error", b"text/event-stream", None) + _chunk(error))
+        asyncio.get_running_loop().call_later(0.1, _reset, conn)
+
+    _Rank.misbehave = lost
+    running = await _proxy(proxy, rank, lane)
+    log = capture_access_log(running)
+    reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+    data = orjson.dumps(BODY)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
+    writer.write(head + b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    raw = await asyncio.wait_for(reader.read(), 5)  # the proxy closes the connection
+    writer.close()
+    assert raw.startswith(b"HTTP/1.1 500 ") and error in raw
+    assert not raw.endswith(b"0\r\n\r\n"), "a cut answer ended as if complete"
+    metrics = running.app[METRICS]
+    assert metrics.internal_errors._value.get() == 0
+    assert metrics.upstream_errors.labels("r0", "body_lost")._value.get() == 1
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert await until(lambda: "end=upstream_error" in log.getvalue(), 2.0), log.getvalue()
