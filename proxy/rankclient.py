@@ -233,6 +233,11 @@ class _Conn(asyncio.Protocol):
         resp = self.response
         if resp is None or resp.complete:
             return
+        if resp._paused:
+            # The socket is not read (a reader slower than the rank): the
+            # rank cannot be heard, so nor judged silent. Judged from the resume.
+            self.read_handle = self.pool.loop.call_later(self.pool.read_s, self._read_check)
+            return
         now = self.pool.loop.time()
         if now - self.last_read >= self.pool.read_s:
             resp._fail(ReadTimeout(f"the rank sent nothing for {self.pool.read_s:g}s"))
@@ -264,6 +269,7 @@ class _Conn(asyncio.Protocol):
 
     def resume(self) -> None:
         if self.transport is not None and not self.closed:
+            self.last_read = self.pool.loop.time()  # silence counts from now
             self.transport.resume_reading()
 
     def close(self) -> None:

@@ -588,3 +588,40 @@ async def test_a_204_or_304_that_declares_a_body_does_not_leave_it_to_the_next_a
         assert (await _get(client, url))[0] in (204, 304)
         assert await asyncio.wait_for(_get(client, url), 5) == (200, b"{}"), head
         await client.close()
+
+
+async def test_a_reader_slower_than_the_rank_is_no_silence_of_the_ranks(rank) -> None:
+    """While the reader is behind (a slow client: the socket paused for a full
+    buffer), the rank is not read, so it cannot be heard: that was taken for
+    read_s of its silence, and a healthy answer was cut. Its silence counts
+    again from when the reader catches up."""
+    part = b"10000\r\n" + b"z" * 0x10000 + b"\r\n"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(4):
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        if await _read_request(reader):  # the next request: an answer that begins, then silence
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + part * 2)
+            await asyncio.sleep(5)
+
+    url = await rank(serve)
+    client = _client(read_s=0.3)
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")
+    await asyncio.sleep(1.0)  # behind for over three times read_s
+    assert resp._paused, "the test needs the socket paused"
+    assert len(await asyncio.wait_for(resp.read(), 5)) == 4 * 0x10000
+    resp.release()
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")
+    await asyncio.sleep(0.6)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(ReadTimeout):  # a rank silent once read again is still heard as silent
+        await asyncio.wait_for(resp.read(), 5)
+    assert asyncio.get_running_loop().time() - started < 1.5
+    resp.close()
+    await client.close()
