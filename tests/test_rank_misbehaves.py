@@ -589,3 +589,36 @@ async def test_an_answer_passed_on_as_a_stream_and_lost_is_cut_not_an_internal_e
     assert metrics.upstream_errors.labels("r0", "body_lost")._value.get() == 1
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert await until(lambda: "end=upstream_error" in log.getvalue(), 2.0), log.getvalue()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_a_trailer_that_never_ends_is_cut_short_and_the_answer_asked_again(
+    rank: int, proxy: Callable[..., Any], lane: bool
+) -> None:
+    sent = [0]
+
+    async def flood(conn: Conn) -> None:
+        while not conn.closed and sent[0] < 64 << 20:  # bounded: the test ends by itself
+            conn.write(b"y" * 65536)
+            sent[0] += 65536
+            await asyncio.sleep(0)
+
+    def trailer_flood(conn: Conn, body: dict[str, Any]) -> None:
+        if _Rank.completions > 1:  # asked again: answered well
+            Conn.on_message_complete(conn)
+            return
+        conn.write(_head(b"200 OK", b"application/json", None) + _chunk(WHOLE) + b"0\r\nX-Big: ")
+        asyncio.get_running_loop().create_task(flood(conn))
+
+    _Rank.misbehave = trailer_flood
+    settings = Settings(
+        listen={"host": "127.0.0.1", "port": 0, "fast_lane": lane},
+        groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{rank}"}]}],
+        timeouts={"poll_interval_s": 0.5, "read_s": 2.0},
+    )
+    running = await proxy(settings)
+    answer = await _post(running.port, {"model": "m", "prompt": "x", "max_tokens": 12})
+    assert answer.status == 200, answer.body[:200]
+    assert orjson.loads(answer.body)["choices"][0]["text"] == "x" * 12  # the second answer's
+    assert sent[0] < 4 << 20, f"the proxy read {sent[0]} bytes of a trailer"
+    assert running.app[TABLE].ranks["r0"].routable
