@@ -1,20 +1,41 @@
 """A pure (no HTTP) engine that streams the way vLLM 0.32 does at the byte level.
 
-What it copies, because the splice depends on it:
+What it copies, because the splice depends on it (the vLLM files named are
+under ``vllm/`` of the installed package):
 
 * a byte-level vocabulary: characters split across tokens (``é`` as two,
   ``€`` as two or one, ``😀`` as three), and a token that ends one character
   and starts the next;
-* the incremental detokenizer: a chunk's text is what became decodable, a
-  character's first bytes release nothing until it is whole;
+* the incremental detokenizer (``v1/engine/detokenizer.py``,
+  ``BaseIncrementalDetokenizer.update``): a chunk's text is what became
+  decodable, a character's first bytes release nothing until it is whole;
 * special tokens (``<|endoftext|>``, the chat template's markers): skipped in
   the stream's text by default (``skip_special_tokens``), kept by
   ``/detokenize`` (vLLM's request has no such switch);
 * stop strings: text that could still become a stop string is held back
-  (only when the stop string is cut from the output), and flushed in the
-  abort chunk;
-* the abort chunk: ``finish_reason: "abort"``, and it may carry the ids of
-  the step that faulted;
+  (only when the stop string is cut from the output:
+  ``stop_buffer_length``), and flushed when the request finishes, abort
+  included (``get_next_output_text(finished=True)``);
+* the abort chunk (``v1/fault_tolerance/engine_core_sentinel.py``,
+  ``EngineCoreSentinel.on_fault``): the engine sends an output with no ids
+  and ``finish_reason: "abort"``; the API server's
+  ``RequestOutputCollector.put`` (``v1/engine/output_processor.py``) merges
+  it into the outputs its stream has not taken yet, so the abort chunk
+  carries the ids (and text) of steps not yet sent. A step's last token of
+  the budget finishes the request in the scheduler, which then is not
+  aborted: an abort never carries it;
+* an output with no text, no ids and nothing before it is not sent
+  (``completion_stream_generator`` and ``chat_completion_stream_generator``,
+  "Chunked prefill case"): an abort before the first token is a bare
+  ``[DONE]`` (chat: after its role chunk);
+* where the prompt ids go with ``return_token_ids``: in the choice of the
+  first completions chunk (``has_echoed`` in
+  ``completion_stream_generator``), on the chat role chunk itself (not its
+  choice); whole answers: ``request_output_to_completion_response`` (in the
+  choice) and ``chat_completion_full_generator`` (on the answer);
+* the usage chunk (``stream_options.include_usage``): after the last
+  choice chunk, an abort's included, before ``[DONE]``, counting the ids
+  sent;
 * ``min_tokens``: the stop token ids and EOS are masked before it, and a stop
   string is looked for only in text of tokens past it (with the stop
   string's length less one characters before them), as vLLM 0.32's
@@ -23,15 +44,21 @@ What it copies, because the splice depends on it:
   text is in the output only with ``include_stop_str_in_output``;
 * several tokens merged into one chunk (vLLM under load);
 * the echo: a token-id prompt whose text ends inside a character makes the
-  detokenizer put the prompt's text in front of the first output text.
+  detokenizer put the prompt's text in front of the first output text;
+* engine-side resume: the stream stalls (:data:`PAUSE`), then goes on.
 
 The model is a deterministic function of the whole context that only ever
 generates whole characters, so a lost or duplicated token changes the rest.
+With an ``rng``, requests that are not greedy draw each token at random among
+the same options (vLLM's default is sampled): a continuation then says
+something else than the fault-free run, and only consistency can be checked
+(:func:`replay`).
 """
 
 from __future__ import annotations
 
 import codecs
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +79,7 @@ WORDS = [[1], [2], [3], [4], [5], [19], [20], [EOS], [10, 11], [12, 13], [14], [
 MAX_MODEL_LEN = 64
 DONE = "[DONE]"
 DROP = "drop"  # the connection is lost here
+PAUSE = "pause"  # engine-side resume: the engine faulted, recovers, and goes on
 
 
 def tokenize(text: str) -> list[int]:
@@ -72,64 +100,150 @@ def detokenize(ids: list[int]) -> str:
     return b"".join(TOKENS[i] for i in ids).decode(errors="replace")
 
 
-def next_token(context: list[int], masked: frozenset[int] = frozenset()) -> int:
-    # Walk the words from the start of the context: inside a word, its next
-    # token; between words, one chosen by a hash of the recent context.
+def is_greedy(body: dict[str, Any]) -> bool:
+    """vLLM's: a temperature below 1e-5; none is the model's default, 1.0."""
+    t = body.get("temperature")
+    return t is not None and float(t) < 1e-5
+
+
+def options(context: list[int]) -> list[int]:
+    """The tokens the model may say next: inside a word, its next token;
+    between words, the first token of any word."""
     partial: list[int] = []
     for t in context:
         partial.append(t)
         if not any(w[: len(partial)] == partial for w in WORDS) or partial in WORDS:
             partial = []
-    h = 7
-    for t in context[-6:]:
-        h = (h * 31 + t) % 1_000_003
-    h = (h + len(context)) % 1_000_003
-    options = [
+    return [
         w[len(partial)] for w in WORDS if w[: len(partial)] == partial and len(w) > len(partial)
     ]
+
+
+def next_token(
+    context: list[int], masked: frozenset[int] = frozenset(), rng: random.Random | None = None
+) -> int:
+    """Greedy (no ``rng``): one option chosen by a hash of the recent
+    context; sampled: one drawn at random."""
+    opts = options(context)
+    if rng is None:
+        h = 7
+        for t in context[-6:]:
+            h = (h * 31 + t) % 1_000_003
+        start = (h + len(context)) % 1_000_003
+    else:
+        start = rng.randrange(len(opts))
     # Masked tokens (vLLM's min_tokens processor) are never sampled: the next
     # option is, so the answer is the same up to where one would have been.
-    for i in range(len(options)):
-        if (t := options[(h + i) % len(options)]) not in masked:
+    for i in range(len(opts)):
+        if (t := opts[(start + i) % len(opts)]) not in masked:
             return t
-    return options[h % len(options)]
+    return opts[start % len(opts)]
 
 
 def generate(
-    prompt: list[int], n: int, min_tokens: int = 0, stop_ids: frozenset[int] = frozenset()
+    prompt: list[int],
+    n: int,
+    min_tokens: int = 0,
+    stop_ids: frozenset[int] = frozenset(),
+    rng: random.Random | None = None,
 ) -> list[int]:
     ctx = list(prompt)
     for i in range(n):
-        ctx.append(next_token(ctx, stop_ids | {EOS} if i < min_tokens else frozenset()))
+        ctx.append(next_token(ctx, _masked(i, min_tokens, stop_ids), rng))
     return ctx[len(prompt) :]
+
+
+def _masked(i: int, min_tokens: int, stop_ids: frozenset[int]) -> frozenset[int]:
+    return stop_ids | {EOS} if i < min_tokens else frozenset()
 
 
 @dataclass
 class Fault:
-    after: int  # tokens streamed before the fault (0: before the first)
-    kind: str = "abort"  # "abort" | "drop" (connection lost) | "after_done" (drop before [DONE])
-    carry: bool = False  # the abort chunk carries the faulting step's ids
+    # Tokens streamed before the fault (0: before the first); negative: from
+    # the end of the budget (-1: before its last token).
+    after: int
+    # "abort" | "drop" (connection lost) | "after_done" (drop after the last
+    # choice chunk: before the usage chunk and [DONE]) | "resume" (engine-side
+    # resume: the stream stalls, then goes on; ``then`` may fault it again)
+    kind: str = "abort"
+    # Ids of steps not yet sent that the abort chunk carries (vLLM merges
+    # outputs its stream has not taken yet); True is one.
+    carry: int = 0
+    then: Fault | None = None
+
+
+@dataclass
+class Request:
+    """What the engine saw of one request: its prompt ids and what it sent."""
+
+    path: str
+    body: dict[str, Any]
+    prompt: list[int]
+    sent: list[int] = field(default_factory=list)
+    faulted: bool = False
 
 
 @dataclass
 class Engine:
     chunking: list[int] = field(default_factory=lambda: [1])  # tokens per chunk, cycled
     requests: list[dict[str, Any]] = field(default_factory=list)
+    seen: list[Request] = field(default_factory=list)
+    # Set: requests that are not greedy draw their tokens from it.
+    rng: random.Random | None = None
 
     async def decode(self, ids: list[int]) -> str:
         return detokenize(ids)
 
     def stream(self, path: str, body: dict[str, Any], fault: Fault | None) -> Iterator[Any]:
-        """The events of one streamed request: chunk dicts, then DONE or DROP."""
+        """The events of one streamed request: chunk dicts, then DONE or DROP
+        (PAUSE where the engine stalls and goes on)."""
         self.requests.append(body)
         chat = path.endswith("chat/completions")
-        if chat:
-            prompt = chat_prompt(body["messages"])
-        elif isinstance(body["prompt"], list):
-            prompt = list(body["prompt"])
-        else:
-            prompt = tokenize(body["prompt"])
-        return _Run(self, body, prompt, chat, fault).events()
+        req = Request(path, body, prompt_of(path, body))
+        self.seen.append(req)
+        rng = None if is_greedy(body) else self.rng
+        return _Run(self, body, req, chat, fault, rng).events()
+
+    def replay(self, path: str, body: dict[str, Any], ids: list[int]) -> Replayed:
+        """What a fault-free run of ``body`` says if it generates ``ids``:
+        the oracle of a sampled answer (its ids one sequence with no gap or
+        repeat, its text theirs, its finish where they end it)."""
+        req = Request(path, body, prompt_of(path, body))
+        run = _Run(self, body, req, path.endswith("chat/completions"), None, None, list(ids))
+        out = Replayed(valid=run.valid(ids))
+        for ev in run.events():
+            if isinstance(ev, dict):
+                for c in ev["choices"]:
+                    out.text += text_of(c)
+                    out.ids += c.get("token_ids") or []
+                    if c.get("finish_reason"):
+                        out.finish, out.stop_reason = c["finish_reason"], c.get("stop_reason")
+        return out
+
+
+@dataclass
+class Replayed:
+    valid: bool
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    finish: str | None = None
+    stop_reason: Any = None
+
+
+def prompt_of(path: str, body: dict[str, Any]) -> list[int]:
+    if path.endswith("chat/completions"):
+        return chat_prompt(body["messages"])
+    if isinstance(body["prompt"], list):
+        return list(body["prompt"])
+    return tokenize(body["prompt"])
+
+
+def text_of(choice: dict[str, Any]) -> str:
+    if "delta" in choice:
+        return str(choice["delta"].get("content") or "")
+    if "message" in choice:
+        return str(choice["message"].get("content") or "")
+    return str(choice.get("text") or "")
 
 
 def _budget(body: dict[str, Any], prompt: list[int], chat: bool) -> int:
@@ -145,76 +259,119 @@ def _budget(body: dict[str, Any], prompt: list[int], chat: bool) -> int:
 class _Run:
     engine: Engine
     body: dict[str, Any]
-    prompt: list[int]
+    req: Request
     chat: bool
     fault: Fault | None
+    rng: random.Random | None
+    forced: list[int] | None = None  # the ids to say (a replay), not generated
     released: str = ""  # text decodable so far (the detokenizer's output)
     sent: int = 0  # of it, sent (the rest is held for stop strings)
     count: int = 0  # output tokens so far
+    first: bool = True  # no choice chunk sent yet
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.req.prompt
+
+    def _output(self) -> list[int]:
+        n = _budget(self.body, self.prompt, self.chat)
+        if self.forced is not None:
+            return self.forced[:n]
+        return generate(self.prompt, n, self._min_tokens(), self._stop_ids(), self.rng)
+
+    def valid(self, ids: list[int]) -> bool:
+        """Whether the model could say ``ids`` (a gap or a repeat breaks a word)."""
+        ctx = list(self.prompt)
+        for i, t in enumerate(ids):
+            masked = _masked(i, self._min_tokens(), self._stop_ids())
+            if t not in options(ctx) or t in masked:
+                return False
+            ctx.append(t)
+        return True
 
     def events(self) -> Iterator[Any]:
-        body, chat = self.body, self.chat
-        skip = body.get("skip_special_tokens", True) is not False
-        stops = body.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else list(stops)
-        n = _budget(body, self.prompt, chat)
-        out = generate(self.prompt, n, self._min_tokens(), self._stop_ids())
+        out = self._output()
+        budget = _budget(self.body, self.prompt, self.chat)
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # vLLM's decoder, primed with a token-id prompt whose text ends inside
         # a character, echoes the prompt's text into the first output text.
         tail = b"".join(TOKENS[i] for i in self.prompt if i not in SPECIAL)
         echo = detokenize(self.prompt) if tail.decode(errors="replace").endswith("\ufffd") else ""
-        if chat:
-            yield self._chunk("", None, [], role=True)
+        if self.chat:
+            yield self._role()
         i, step, fault = 0, 0, self.fault
-        first = True
         while i < len(out):
             size = self.engine.chunking[step % len(self.engine.chunking)]
             step += 1
-            ids = out[i : i + size]
-            if fault is not None and fault.kind != "after_done" and i + len(ids) > fault.after:
-                done = ids[: fault.after - i]
-                if done:  # the tokens before the fault go out as usual
-                    text, finish, stop, used = self._add(dec, done, skip, stops, last=False)
-                    yield self._chunk(text, finish, done[:used], stop, first=first)
+            end = min(i + size, len(out))
+            at = _at(fault, len(out))
+            if fault is not None and fault.kind != "after_done" and at < end:
+                self.req.faulted = True
+                if at > i:  # the tokens before the fault go out as usual
+                    ids = out[i:at]
+                    text, finish, stop, used = self._add(dec, ids, last=False)
+                    text, echo = (echo + text, "") if echo and text else (text, echo)
+                    yield self._chunk(text, finish, ids[:used], stop)
                     if finish is not None:
-                        yield DONE
+                        yield from self._end()
                         return
-                    first = False
-                    i += len(done)
-                    ids = ids[len(done) :]
+                    i = at
+                if fault.kind == "resume":
+                    yield PAUSE
+                    fault = fault.then
+                    continue
                 if fault.kind == "drop":
                     yield DROP
                     return
-                carried = ids[:1] if fault.carry else []
-                text, finish, stop, _ = self._add(dec, carried, skip, stops, last=False)
-                if finish is not None:  # the step's token ended the answer after all
-                    yield self._chunk(text, finish, carried, stop, first=first)
-                    yield DONE
-                    return
-                yield self._chunk(text + self.released[self.sent :], "abort", carried,
-                                  first=first)  # fmt: skip
-                yield DONE
+                yield from self._abort(dec, out, i, int(fault.carry))
                 return
-            i += len(ids)
-            text, finish, stop, used = self._add(dec, ids, skip, stops, last=i >= len(out))
+            ids = out[i:end]
+            i = end
+            text, finish, stop, used = self._add(dec, ids, last=i >= budget)
             if echo and text:
                 text, echo = echo + text, ""
-            yield self._chunk(text, finish, ids[:used], stop, first=first)
-            first = False
+            yield self._chunk(text, finish, ids[:used], stop)
             if finish is not None:
                 break
         if fault is not None and fault.kind == "after_done":
+            self.req.faulted = True
             yield DROP
             return
+        yield from self._end()
+
+    def _abort(self, dec: Any, out: list[int], i: int, carry: int) -> Iterator[Any]:
+        """The abort, merged with the outputs of ``carry`` steps not yet sent."""
+        carried = out[i : min(i + carry, len(out) - 1)]
+        text, finish, stop, used = self._add(dec, carried, last=False)
+        if finish is not None:  # a carried step finished the request before the fault
+            yield self._chunk(text, finish, carried[:used], stop)
+            yield from self._end()
+            return
+        # Finished: the detokenizer's stop buffer is flushed.
+        text, self.sent = text + self.released[self.sent :], len(self.released)
+        if text or self.count:
+            yield self._chunk(text, "abort", carried)
+        yield from self._end()
+
+    def _end(self) -> Iterator[Any]:
+        opts = self.body.get("stream_options")
+        if isinstance(opts, dict) and _lax_bool(opts.get("include_usage")):
+            n, p = len(self.req.sent), len(self.prompt)
+            yield {
+                **self._head(),
+                "choices": [],
+                "usage": {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n},
+            }
         yield DONE
 
     def _add(
-        self, dec: Any, ids: list[int], skip: bool, stops: list[str], last: bool
+        self, dec: Any, ids: list[int], last: bool
     ) -> tuple[str, str | None, str | int | None, int]:
         """(text to send, finish_reason, stop_reason, ids used) after ``ids``:
         a stop string or stop token ends the output at the token that
         completes it. One token per engine step, as vLLM detokenizes."""
+        skip = self.body.get("skip_special_tokens", True) is not False
+        stops = self._stops()
         include = _lax_bool(self.body.get("include_stop_str_in_output"))
         for used, t in enumerate(ids, 1):
             self.count += 1
@@ -226,13 +383,15 @@ class _Run:
             if not (t in SPECIAL and skip) and not (term and not include):
                 self.released += dec.decode(TOKENS[t], final=False)
             new = len(self.released) - before
-            for s in stops if new and self.count > self._min_tokens() else []:
-                at = self.released.find(s, max(len(self.released) - new - len(s) + 1, 0))
-                if at >= 0:
-                    end = at + len(s) if include else at
-                    out = self.released[self.sent : end]
-                    self.sent = len(self.released)
-                    return out, "stop", s, used
+            hit = (
+                _first_stop(self.released, new, stops) if self.count > self._min_tokens() else None
+            )
+            if hit is not None:
+                at, s = hit
+                end = at + len(s) if include else at
+                out = self.released[self.sent : end]
+                self.sent = len(self.released)
+                return out, "stop", s, used
             if term:
                 out, self.sent = self.released[self.sent :], len(self.released)
                 return out, "stop", t if stop_id else None, used
@@ -244,28 +403,153 @@ class _Run:
         out, self.sent = self.released[self.sent : upto], upto
         return out, "length" if last else None, None, len(ids)
 
+    def _stops(self) -> list[str]:
+        stops = self.body.get("stop") or []
+        return [stops] if isinstance(stops, str) else list(stops)
+
     def _min_tokens(self) -> int:
         return int(self.body.get("min_tokens") or 0)
 
     def _stop_ids(self) -> frozenset[int]:
         return frozenset(self.body.get("stop_token_ids") or ())
 
+    def _want(self) -> bool:
+        return _lax_bool(self.body.get("return_token_ids"))
+
+    def _head(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": "chatcmpl-1" if self.chat else "cmpl-1",
+            "object": obj,
+            "created": 1,
+            "model": "m",
+        }
+
+    def _role(self) -> dict[str, Any]:
+        """The first chat chunk: the role, and the prompt ids on the chunk."""
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return {
+            **self._head(),
+            "choices": [choice],
+            "prompt_token_ids": self.prompt if self._want() else None,
+            "prompt_text": None,
+        }
+
     def _chunk(
-        self, text: str, finish: str | None, ids: list[int], stop: str | int | None = None,
-        first: bool = False, role: bool = False,
-    ) -> dict[str, Any]:  # fmt: skip
-        want = _lax_bool(self.body.get("return_token_ids"))
+        self, text: str, finish: str | None, ids: list[int], stop: str | int | None = None
+    ) -> dict[str, Any]:
+        """A choice chunk with the fields vLLM sets on it (chat leaves
+        ``stop_reason`` unset, so out, until the finish)."""
+        want = self._want()
+        self.req.sent += ids
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": ""} if role else {"content": text}
+            choice["delta"] = {"content": text}
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason=finish, stop_reason=stop,
-                      token_ids=ids if want and not role else None)  # fmt: skip
-        if want and first:
-            choice["prompt_token_ids"] = self.prompt
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": "cmpl-1", "object": obj, "created": 1, "model": "m", "choices": [choice]}
+        choice.update(logprobs=None, finish_reason=finish)
+        if not self.chat or finish is not None:
+            choice["stop_reason"] = stop
+        if not self.chat:
+            choice["prompt_token_ids"] = self.prompt if want and self.first else None
+        choice["token_ids"] = ids if want else None
+        self.first = False
+        return {**self._head(), "choices": [choice]}
+
+
+def whole_answer(
+    path: str, body: dict[str, Any], events: list[Any], aborted: bool = False
+) -> dict[str, Any]:
+    """The answer vLLM 0.32 gives ``stream: false`` (``model_dump`` of its
+    ``CompletionResponse`` / ``ChatCompletionResponse``): the same output,
+    finished, whole. Its output is final only, so an abort before the first
+    token (which a stream skips) is an answer too."""
+    chat = path.endswith("chat/completions")
+    text, ids, finish, stop = "", [], None, None
+    for ev in events:
+        for c in ev.get("choices") or [] if isinstance(ev, dict) else []:
+            text += text_of(c)
+            ids += c.get("token_ids") or []
+            finish, stop = c.get("finish_reason") or finish, c.get("stop_reason", stop)
+    finish = finish or ("abort" if aborted else None)
+    prompt = prompt_of(path, body)
+    want = _lax_bool(body.get("return_token_ids"))
+    usage = {
+        "prompt_tokens": len(prompt),
+        "total_tokens": len(prompt) + len(ids),
+        "completion_tokens": len(ids),
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
+        }
+        choice.update(
+            logprobs=None,
+            finish_reason=finish or "stop",
+            stop_reason=stop,
+            token_ids=ids if want else None,
+            routed_experts=None,
+        )
+    else:
+        choice.update(
+            text=text,
+            logprobs=None,
+            finish_reason=finish,
+            stop_reason=stop,
+            token_ids=ids if want else None,
+            prompt_logprobs=None,
+            prompt_token_ids=prompt if want else None,
+            routed_experts=None,
+        )
+    answer: dict[str, Any] = {
+        "id": "chatcmpl-1" if chat else "cmpl-1",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage,
+    }
+    if chat:
+        answer.update(
+            prompt_logprobs=None, prompt_token_ids=prompt if want else None, prompt_text=None
+        )
+    answer.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+    return answer
+
+
+def _at(fault: Fault | None, n: int) -> int:
+    """How many of ``n`` tokens go out before ``fault``."""
+    if fault is None:
+        return n
+    return fault.after if fault.after >= 0 else max(n + fault.after, 0)
+
+
+def _first_stop(text: str, new: int, stops: list[str]) -> tuple[int, str] | None:
+    """vLLM 0.32's ``check_stop_strings``: among stop strings found in text
+    that takes in the last ``new`` characters, the one that completes
+    earliest (ties: the request's order)."""
+    best: tuple[int, str] | None = None
+    for s in stops if new else []:
+        at = text.find(s, max(len(text) - new - len(s) + 1, 0))
+        if at >= 0 and (best is None or at + len(s) < best[0] + len(best[1])):
+            best = (at, s)
+    return best
 
 
 def _lax_bool(value: Any) -> bool:

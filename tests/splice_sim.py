@@ -17,7 +17,7 @@ import orjson
 
 from proxy.continuation import CHAT, Book, SpliceFailed, refusal
 from proxy.generation import _assemble
-from tests.fake_engine import DONE, DROP, MAX_MODEL_LEN, Engine, Fault
+from tests.fake_engine import DONE, DROP, MAX_MODEL_LEN, PAUSE, Engine, Fault
 
 FINISHED, ABORTED = "finished", "aborted"
 
@@ -87,7 +87,7 @@ async def through_proxy(
                 path, cont = planned
                 orjson.dumps(cont)
                 events, handle = engine.stream(path, cont, fault()), book.on_continuation
-            if _pump(book, events, handle, data) == FINISHED:
+            if _pump(engine, book, events, handle, data) == FINISHED:
                 break
             events = None
     except SpliceFailed as e:
@@ -111,9 +111,11 @@ async def through_proxy(
     return ans
 
 
-def _pump(book: Book, events: Iterator[Any], handle: Any, data: list[bytes]) -> str:
+def _pump(engine: Engine, book: Book, events: Iterator[Any], handle: Any, data: list[bytes]) -> str:
     for ev in events:
-        if ev == DONE and not book.finish_reason:
+        if ev == PAUSE:
+            continue  # engine-side resume: the same stream goes on
+        if ev == DONE and not book.finish_reason and not engine.seen[-1].faulted:
             raise _Failed("upstream_incomplete")  # not a fault: never continued
         if ev in (DONE, DROP):
             break
