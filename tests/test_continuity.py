@@ -457,3 +457,83 @@ def test_a_boundary_is_open_where_a_stop_string_could_start_unseen() -> None:
     assert not opens_stop("x", "xab", ["abc"])  # "ab" is generated again: vLLM sees it all
     assert not opens_stop("xab", "xab", ["cd", "q"])
     assert opens_stop("xa", None, ["abc"])  # the ids' text not known: as if it ended here
+
+
+async def _engine_decode(ids: list[int]) -> str:
+    from tests.fake_engine import detokenize
+
+    return detokenize(ids)
+
+
+def _sampled(kind: str, **body: Any) -> Any:
+    from proxy.continuation import Book
+
+    base = {"max_tokens": 10, "return_token_ids": True, **body}
+    if kind == "chat":
+        return Book.for_request("chat", {"messages": [{"role": "user", "content": "x"}], **base})
+    return Book.for_request("completion", {"prompt": "x", **base})
+
+
+def _piece(kind: str, ids: list[int], text: str, **extra: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "token_ids": ids, "finish_reason": None, **extra}
+    if kind == "chat":
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+    return {"id": "c", "created": 1, "model": "m", "choices": [choice]}
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("stop", [None, ["zz"]])
+async def test_a_sampled_stream_goes_on_after_the_tokens_its_abort_chunk_carried(
+    kind: str, stop: list[str] | None
+) -> None:
+    # No temperature (sampled) and ids asked: the abort chunk carries the
+    # ids and text of steps not yet sent ("bb"). The client has the ids, and
+    # is owed their text: the boundary after them is the one to take, on
+    # plain ASCII text, stop strings or not.
+    from proxy.continuation import text_of
+
+    book = _sampled(kind, **({"stop": stop} if stop else {}))
+    book.on_original(_piece(kind, [1], "a", prompt_token_ids=[4]))
+    emit = book.on_original(_piece(kind, [2, 2], "bb", finish_reason="abort"))
+    assert emit.aborted and json.loads(emit.data[0])["choices"][0]["token_ids"] == [2, 2]
+    _, body = await book.continuation(_engine_decode)
+    assert body["prompt"] == [4, 1, 2, 2] and body["max_tokens"] == 7
+    emit = book.on_continuation(
+        {"choices": [{"text": "c", "token_ids": [4], "finish_reason": "length"}]}
+    )
+    choice = json.loads(emit.data[0])["choices"][0]
+    assert (text_of(choice, kind), choice["token_ids"]) == ("bbc", [4])  # owed "bb", then "c"
+
+
+async def test_an_abort_chunk_that_carried_the_last_tokens_ends_the_answer() -> None:
+    # The abort chunk carried the budget's last ids: nothing is left to
+    # generate; the answer ends with its text, not with split_character.
+    book = _sampled("completion", max_tokens=2)
+    book.on_original(_piece("completion", [1], "a", prompt_token_ids=[4]))
+    book.on_original(_piece("completion", [2], "b", finish_reason="abort"))
+    assert await book.continuation(_engine_decode) is None
+    choice = json.loads(book.finish_here()[0])["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("b", "length")
+
+
+async def test_a_special_token_merged_into_a_chunk_is_not_text_at_the_splice() -> None:
+    # EOS (ignore_eos) comes in one chunk with "a": the chunk's text is "a"
+    # only (special tokens skipped), /detokenize says "a<|endoftext|>".
+    book = _sampled("completion", ignore_eos=True)
+    book.on_original(_piece("completion", [1, 0], "a", prompt_token_ids=[4]))
+    book.on_original(_piece("completion", [2], "b"))
+    book.on_original(_piece("completion", [], "", finish_reason="abort"))
+    _, body = await book.continuation(_engine_decode)
+    assert body["prompt"] == [4, 1, 0, 2]
+
+
+async def test_a_sampled_splice_starts_where_the_clients_text_ends_inside_a_chunk() -> None:
+    # Ids not asked: "a" and the first byte of "€" came in one chunk. The
+    # client has "a" only, so the boundary between the two is the one.
+    book = _sampled("completion", return_token_ids=False)
+    book.on_original(_piece("completion", [1, 12], "a", prompt_token_ids=[4]))
+    book.on_original(_piece("completion", [], "", finish_reason="abort"))
+    _, body = await book.continuation(_engine_decode)
+    assert body["prompt"] == [4, 1]

@@ -342,24 +342,31 @@ class Book:
         lowest = n if self.wants_ids and not greedy else 0
         skip_special = as_bool(self.body.get("skip_special_tokens", True))
         assert self.prompt_ids is not None
-        # Text held back for a stop match is in the records but not with the
-        # client: the boundary is found against what the client has, and the
-        # held text is derived again from the ids (or generated again).
+        # ``pending`` is in the records but not with the client yet: text
+        # owed to it (an abort chunk's, held back for a stop match). The
+        # boundary is found against what the client has; owed text up to it
+        # stays owed, past it it is generated again.
         visible = said + self.skip
-        if self.pending and visible.endswith(self.pending):
-            visible = visible[: -len(self.pending)]
-            self.pending = ""
+        owed = self.pending if visible.endswith(self.pending) else ""
         b = await find_boundary(
-            prompt=self.prompt_ids, generated=self.generated, marks=marks,
-            visible=visible, suspects=self.suspects, greedy=greedy, lowest=lowest,
-            skip_special=skip_special, decode=decode, stops=self.stops,
-        )  # fmt: skip
+            prompt=self.prompt_ids,
+            generated=self.generated,
+            marks=marks,
+            visible=visible[: len(visible) - len(owed)],
+            owed=owed,
+            suspects=self.suspects,
+            greedy=greedy,
+            lowest=lowest,
+            skip_special=skip_special,
+            decode=decode,
+            stops=self.stops,
+        )
         if greedy:
             self.replay = self.generated[b.k :] + self.replay
         del self.generated[b.k :]
         self.records = [(b.k, b.text)]
         self.skip = b.skip
-        self.pending += b.recovered
+        self.pending = b.recovered
         # An open boundary (sampled only): a stop string may start before it.
         hold = _hold(self.stops)
         self.behind = b.text[: len(b.text) - len(b.recovered)][-hold:] if b.open and hold else ""
