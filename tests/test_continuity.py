@@ -537,3 +537,36 @@ async def test_a_sampled_splice_starts_where_the_clients_text_ends_inside_a_chun
     book.on_original(_piece("completion", [], "", finish_reason="abort"))
     _, body = await book.continuation(_engine_decode)
     assert body["prompt"] == [4, 1]
+
+
+async def test_usage_asked_for_survives_a_drop_after_the_last_token(fakes, proxy, http) -> None:
+    # The connection is lost after the finish chunk, before vLLM's usage
+    # chunk: the answer is whole, and the usage the client asked for is the
+    # proxy's to send.
+    a = await fakes(name="a", drop_before_done=True)
+    p = await proxy(settings_for([a], hold=HOLD))
+    body = completion(8, stream_options={"include_usage": True})
+    chunks, _, done = await read_stream(http, p.url, "/v1/completions", body)
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 8)) and done
+    usage = {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert [c["usage"] for c in chunks if not c["choices"]] == [usage]
+    assert chunks[-1]["usage"] == usage and len(a.received) == 1
+
+
+async def test_the_usage_of_an_attempt_aborted_before_its_first_token_is_not_passed_on(
+    fakes, proxy, http
+) -> None:
+    # vLLM ends a stream aborted in its prefill with its usage chunk (no
+    # tokens) and [DONE]; the client's usage is that of the answer it gets.
+    a = await fakes(name="a", token_delay_s=0.002, first_token_delay_s=0.3)
+    p = await proxy(settings_for([a], hold=HOLD))
+    body = completion(12, stream_options={"include_usage": True})
+    task = asyncio.create_task(read_stream(http, p.url, "/v1/completions", body))
+    await asyncio.sleep(0.1)
+    a.fault()  # during the prefill: nothing generated yet
+    await asyncio.sleep(0.4)
+    a.recover()
+    chunks, _, done = await task
+    assert text_of(chunks) == detok(fault_free(tokenize("hello"), 12)) and done
+    usage = {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert [c["usage"] for c in chunks if not c["choices"]] == [usage]

@@ -88,6 +88,7 @@ class Book:
     template: dict[str, Any] | None = None  # first chunk: id, created, model, ...
     finish_reason: str | None = None  # set once every one of the n choices finished
     n_choices: int = 1
+    prompts: int = 1  # a completions batch: the proxy knows one prompt's ids only
     finished_choices: set[int] = field(default_factory=set)
     spliced: bool = False
     usage_sent: bool = False
@@ -124,9 +125,15 @@ class Book:
         # vLLM streams n choices for each prompt of a batch.
         prompts = prompt_count(body) if kind == COMPLETION else 1
         return cls(
-            kind=kind, body=body, wants_ids=as_bool(body.get("return_token_ids")),
-            wants_usage=usage, stops=_stops(body), n_choices=n * prompts, continuous=continuous,
-        )  # fmt: skip
+            kind=kind,
+            body=body,
+            wants_ids=as_bool(body.get("return_token_ids")),
+            wants_usage=usage,
+            stops=_stops(body),
+            n_choices=n * prompts,
+            prompts=prompts,
+            continuous=continuous,
+        )
 
     # -- the original stream ------------------------------------------------
     def on_original_bytes(self, data: bytes) -> Emit | None:
@@ -246,7 +253,9 @@ class Book:
         return "".join(parts), marks
 
     def _usage_passthrough(self, chunk: dict[str, Any]) -> Emit:
-        if self.spliced or not self.wants_usage or self.usage_sent:
+        # vLLM sends the usage chunk after an abort too: one before the
+        # answer finished counts a part of it; the proxy counts it all.
+        if self.spliced or not self.wants_usage or self.usage_sent or not self.finish_reason:
             return Emit()
         self.usage_sent = True
         return Emit([self._shown(_dumps(chunk))])
@@ -557,7 +566,10 @@ class Book:
         if self.pending and self.finish_reason is None:
             out.append(self._client_chunk(self.pending, [], None, None, {}))
             self.pending = ""
-        if self.spliced and self.wants_usage and not self.usage_sent:
+        # Its own: after a splice, or when the connection was lost between
+        # the answer's end and vLLM's usage chunk.
+        counted = self.spliced or (self.finish_reason is not None and self.prompts == 1)
+        if counted and self.wants_usage and not self.usage_sent:
             chunk = _base(self.template, self.kind)
             chunk["choices"] = []
             chunk["usage"] = self._usage()
