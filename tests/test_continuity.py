@@ -570,3 +570,17 @@ async def test_the_usage_of_an_attempt_aborted_before_its_first_token_is_not_pas
     assert text_of(chunks) == detok(fault_free(tokenize("hello"), 12)) and done
     usage = {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
     assert [c["usage"] for c in chunks if not c["choices"]] == [usage]
+
+
+async def test_a_completions_stream_whose_first_chunk_is_the_abort_gets_its_prompt_ids() -> None:
+    # vLLM puts the prompt ids in the first completions chunk, here the
+    # abort chunk that carried the first token: the client gets them in the
+    # first chunk the proxy sends it, once.
+    book = _sampled("completion")
+    first = _piece("completion", [1], "a", prompt_token_ids=[4], finish_reason="abort")
+    emit = book.on_original(first)
+    await book.continuation(_engine_decode)
+    emit.data += book.on_continuation({"choices": [{"text": "b", "token_ids": [2]}]}).data
+    choices = [json.loads(d)["choices"][0] for d in emit.data]
+    assert [c["prompt_token_ids"] for c in choices] == [[4], None]
+    assert [c["token_ids"] for c in choices] == [[1], [2]]

@@ -93,6 +93,7 @@ class Book:
     spliced: bool = False
     usage_sent: bool = False
     role_sent: bool = False
+    prompt_shown: bool = False  # a chunk with the prompt ids went to the client
     pending: str = ""  # text held back while a stop string could still match
     # Text the client has before ``pending``, and how many characters of
     # ``behind + pending`` came before the continuation: vLLM cannot match a
@@ -220,6 +221,7 @@ class Book:
             return self._aborted(choice.get("token_ids") or [])
         if choice.get("finish_reason"):
             self._choice_finished(choice)
+        self.prompt_shown |= bool(prompt)
         return Emit([self._shown(_dumps(chunk))], finished=self.finish_reason is not None)
 
     def _choice_finished(self, choice: dict[str, Any]) -> None:
@@ -549,10 +551,21 @@ class Book:
         choice.update(logprobs=None, finish_reason=finish,
                       stop_reason=stop if stop is not None else src.get("stop_reason"),
                       token_ids=ids if self.wants_ids else None)  # fmt: skip
+        if self.kind == COMPLETION:
+            choice["prompt_token_ids"] = self._prompt_once()
         chunk["choices"] = [choice]
         if self.continuous:
             chunk["usage"] = self._usage()
         return _dumps(chunk)
+
+    def _prompt_once(self) -> list[int] | None:
+        """The prompt ids for the client's first completions chunk that has
+        output, as vLLM puts them there (chat's are on its role chunk): the
+        abort chunk that carried them may have been the first."""
+        if not self.wants_ids or self.prompt_shown or self.prompt_ids is None:
+            return None
+        self.prompt_shown = True
+        return self.prompt_ids
 
     def _usage(self) -> dict[str, int]:
         """The answer's usage so far: the original prompt and every id generated."""
