@@ -9,6 +9,7 @@ one whole answer.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from functools import partial
@@ -94,7 +95,7 @@ async def _whole(
     # partial answer is dropped, never kept and then generated again).
     collector = Collector()
     await HeldStream(relay, out, book, refused, collector).run(None)
-    status, answer = _assemble(book, collector.events)
+    status, answer = _assemble(book, collector.events, _json(raw) if raw is not None else None)
     await reply.whole(status, CIMultiDict({"Content-Type": JSON}), answer)
 
 
@@ -145,9 +146,10 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
 
-def _assemble(book: Book, events: list[bytes]) -> tuple[int, bytes]:
-    """One whole answer (status, JSON body) from the continued stream's events."""
-    text, finish, stop_reason = [], None, None
+def _assemble(book: Book, events: list[bytes], aborted: dict[str, Any] | None) -> tuple[int, bytes]:
+    """One whole answer (status, JSON body) from the continued stream's
+    events, in the shape of the ``aborted`` answer when the rank sent one."""
+    text, reasoning, finish, stop_reason = [], [], None, None
     for data in events:
         chunk = _json(data)
         if chunk is None:
@@ -156,29 +158,95 @@ def _assemble(book: Book, events: list[bytes]) -> tuple[int, bytes]:
             return 503, _dumps(chunk)
         for choice in chunk.get("choices") or []:
             text.append(text_of(choice, book.kind))
-            finish = choice.get("finish_reason") or finish
-            stop_reason = choice.get("stop_reason") or stop_reason
+            delta = choice.get("delta") or {}
+            reasoning.append(str(delta.get("reasoning") or delta.get("reasoning_content") or ""))
+            if choice.get("finish_reason"):
+                finish, stop_reason = choice["finish_reason"], choice.get("stop_reason")
     if finish is None:
         body = error_body("the answer ended unfinished", "server_error", "stream_aborted")
         return 503, _dumps(body)
-    return 200, _dumps(_answer(book, "".join(text), finish, stop_reason))
+    answer = _shape(book, aborted)
+    _fill(book, answer, "".join(text), "".join(reasoning), finish, stop_reason)
+    return 200, _dumps(answer)
 
 
-def _answer(book: Book, text: str, finish: str, stop_reason: Any) -> dict[str, Any]:
+def _shape(book: Book, aborted: dict[str, Any] | None) -> dict[str, Any]:
+    """The fields of the answer: the aborted answer's own (vLLM sends every
+    field of its response model, null or not), or vLLM 0.32's where the
+    answer was lost (``CompletionResponse``, ``ChatCompletionResponse``)."""
+    choices = aborted.get("choices") if aborted is not None else None
+    if aborted is not None and isinstance(choices, list) and [type(c) for c in choices] == [dict]:
+        return aborted
     t = book.template or {}
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
-                              "stop_reason": stop_reason,
-                              "token_ids": book.generated if book.wants_ids else None}  # fmt: skip
-    if book.kind == CHAT:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    prompt, completion = len(book.prompt_ids or []), len(book.generated)
-    return {
+    answer: dict[str, Any] = {
         "id": t.get("id", "ftproxy-answer"),
         "object": "chat.completion" if book.kind == CHAT else "text_completion",
-        "created": t.get("created", 0), "model": t.get("model", book.body.get("model", "")),
-        "choices": [choice],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                  "total_tokens": prompt + completion},
-    }  # fmt: skip
+        "created": t.get("created", 0),
+        "model": t.get("model", book.body.get("model", "")),
+        "choices": [_CHAT_CHOICE if book.kind == CHAT else _COMPLETION_CHOICE],
+        "service_tier": None,
+        "system_fingerprint": t.get("system_fingerprint"),
+        "usage": {
+            "prompt_tokens": 0,
+            "total_tokens": 0,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
+    }
+    if book.kind == CHAT:
+        answer.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+    answer.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+    return copy.deepcopy(answer)
+
+
+_COMPLETION_CHOICE: dict[str, Any] = {
+    "index": 0,
+    "text": "",
+    "logprobs": None,
+    "finish_reason": None,
+    "stop_reason": None,
+    "token_ids": None,
+    "prompt_logprobs": None,
+    "prompt_token_ids": None,
+    "routed_experts": None,
+}
+_CHAT_CHOICE: dict[str, Any] = {
+    "index": 0,
+    "message": {
+        "role": "assistant",
+        "content": "",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": None,
+    },
+    "logprobs": None,
+    "finish_reason": None,
+    "stop_reason": None,
+    "token_ids": None,
+    "routed_experts": None,
+}
+
+
+def _fill(
+    book: Book, answer: dict[str, Any], text: str, reasoning: str, finish: str, stop: Any
+) -> None:
+    """What the answer says: its text, ids, finish and usage, the prompt ids
+    where vLLM puts them (in the completions choice, on the chat answer)."""
+    choice = answer["choices"][0]
+    ids = book.generated if book.wants_ids else None
+    prompt = book.prompt_ids if book.wants_ids else None
+    choice.update(finish_reason=finish, stop_reason=stop, token_ids=ids)
+    if book.kind == CHAT:
+        message = choice.setdefault("message", {"role": "assistant"})
+        message.update(content=text, reasoning=reasoning or None)
+        answer["prompt_token_ids"] = prompt
+    else:
+        choice.update(text=text, prompt_token_ids=prompt)
+    n, m = len(book.prompt_ids or []), len(book.generated)
+    usage = answer.setdefault("usage", {})
+    usage.update(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
+    if answer.get("metrics") is not None:
+        answer["metrics"] = None  # the aborted attempt's timings, not the answer's

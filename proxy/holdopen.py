@@ -74,11 +74,16 @@ Handle = Callable[[dict[str, Any]], Emit]
 
 
 class StreamFailed(Exception):
-    """The stream cannot go on; the message is for the client."""
+    """The stream cannot go on; the message is for the client. ``splice``:
+    no exact continuation of what the client has (a start over is exact)."""
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, code: str, splice: bool = False) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.splice = code, splice
+
+    @classmethod
+    def inexact(cls, e: SpliceFailed) -> StreamFailed:
+        return cls(f"the stream cannot be continued exactly: {e.message}", e.code, splice=True)
 
 
 class Collector:
@@ -96,6 +101,10 @@ class Collector:
     def write_now(self, data: bytes) -> bool:
         self.events.extend(self.parser.feed(data))
         return True
+
+    def clear(self) -> None:
+        """Forget the answer so far (it starts over)."""
+        self.parser, self.events = SSEParser(), []
 
     async def drain(self) -> None:
         pass
@@ -138,28 +147,8 @@ class HeldStream:
                 self.upstream.close()
 
     async def _relay_until_done(self, attempt: Attempt | None) -> None:
-        handle = self.book.on_original
         try:
-            if attempt is None:
-                self._hold("aborted by the engine")
-                attempt, handle = await self._continue(), self.book.on_continuation
-            while (
-                attempt is not None and (outcome := await self._pump(attempt, handle)) != FINISHED
-            ):
-                if outcome == UPSTREAM_ERROR:
-                    self._ended(End.UPSTREAM_ERROR)
-                    break  # its error event already went to the client
-                if outcome == INCOMPLETE and not await self._fault_explains_end():
-                    # Not a fault: continuing would get the same answer again,
-                    # without end (seen: thousands of requests a second).
-                    raise StreamFailed("the rank ended the stream without a finish reason",
-                                       "upstream_incomplete")  # fmt: skip
-                attempt = await self._continue()
-                handle = self.book.on_continuation
-            if attempt is None:  # nothing left to generate: the answer ends here
-                self._unhold(None)
-                for data in self.book.finish_here():
-                    await self._write(event(data))
+            await self._relay_or_start_over(attempt)
         except StreamFailed as e:
             log.warning("[%s] stream ends with an error: %s", self.out.request_id, e)
             self.metrics.stream_errors.labels(e.code).inc()
@@ -172,6 +161,43 @@ class HeldStream:
             for data in self.book.closing():
                 await self._write(event(data))
         await self._write(event(DONE))
+
+    async def _relay_or_start_over(self, attempt: Attempt | None) -> None:
+        while True:
+            try:
+                return await self._relay(attempt)
+            except StreamFailed as e:
+                if not (e.splice and isinstance(self.sink, Collector)):
+                    raise
+                # A whole answer's client has nothing yet: where no splice is
+                # exact, the request itself, sent again, is (within the budget).
+                log.info("[%s] %s; the whole answer starts over", self.out.request_id, e)
+                self.book.start_over()
+                self.sink.clear()
+                attempt = None
+
+    async def _relay(self, attempt: Attempt | None) -> None:
+        """Relay and continue until the answer ends, or an upstream's error did."""
+        handle = self.book.on_original
+        if attempt is None:
+            self._hold("aborted by the engine")
+            attempt, handle = await self._continue(), self.book.on_continuation
+        while attempt is not None and (outcome := await self._pump(attempt, handle)) != FINISHED:
+            if outcome == UPSTREAM_ERROR:
+                self._ended(End.UPSTREAM_ERROR)
+                return  # its error event already went to the client
+            if outcome == INCOMPLETE and not await self._fault_explains_end():
+                # Not a fault: continuing would get the same answer again,
+                # without end (seen: thousands of requests a second).
+                raise StreamFailed(
+                    "the rank ended the stream without a finish reason", "upstream_incomplete"
+                )
+            attempt = await self._continue()
+            handle = self.book.on_continuation
+        if attempt is None:  # nothing left to generate: the answer ends here
+            self._unhold(None)
+            for data in self.book.finish_here():
+                await self._write(event(data))
 
     async def _pump(self, attempt: Attempt, handle: Handle) -> str:
         """Relay one upstream's events; say how it ended."""
@@ -280,8 +306,7 @@ class HeldStream:
         try:
             emit: Emit = handle(chunk)
         except SpliceFailed as e:
-            raise StreamFailed(f"the stream cannot be continued exactly: {e.message}",
-                               e.code) from e  # fmt: skip
+            raise StreamFailed.inexact(e) from e
         out.extend(event(d) for d in emit.data)
         if emit.aborted:
             self._mark_faulted()
@@ -342,8 +367,7 @@ class HeldStream:
             try:
                 planned = await self.book.continuation(self._decode, window)
             except SpliceFailed as e:
-                raise StreamFailed(f"the stream cannot be continued exactly: {e.message}",
-                                   e.code) from e  # fmt: skip
+                raise StreamFailed.inexact(e) from e
             if planned is None:
                 return None
             path, body = planned

@@ -1,9 +1,11 @@
 """The hold-open relay loop without sockets, for property tests of the splice.
 
 Mirrors :class:`proxy.holdopen.HeldStream` event for event (the byte path for
-common chunks, the abort, a connection lost, the continuation's finish) and
-:func:`proxy.generation._whole` for whole answers, driving the real
-:class:`~proxy.continuation.Book` against :mod:`tests.fake_engine`.
+common chunks, the abort, a connection lost or a bare ``[DONE]`` during a
+fault, engine-side resume, the continuation's finish) and
+:func:`proxy.generation._whole` for whole answers (which start over where no
+splice is exact), driving the real :class:`~proxy.continuation.Book` against
+:mod:`tests.fake_engine`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from proxy.generation import _assemble
 from tests.fake_engine import DONE, DROP, MAX_MODEL_LEN, PAUSE, Engine, Fault
 
 FINISHED, ABORTED = "finished", "aborted"
+MAX_STARTS = 9  # a whole answer's start overs, as the stream's budget bounds them
 
 
 @dataclass
@@ -50,14 +53,16 @@ def reference(engine: Engine, kind: str, body: dict[str, Any]) -> Answer:
 
 
 async def through_proxy(
-    engine: Engine, kind: str, body: dict[str, Any], faults: list[Fault | None], whole: bool,
+    engine: Engine,
+    kind: str,
+    body: dict[str, Any],
+    faults: list[Fault | None],
+    whole: bool,
     window_known: bool = True,
-) -> Answer:  # fmt: skip
+) -> Answer:
     """What the client gets, with ``faults`` hitting the attempts in turn;
     ``window_known``: whether the context window could be learnt."""
     book = Book.for_request(kind, body)
-    refused = refusal(body)
-    up = {**body, "return_token_ids": True}
     todo = list(faults)
 
     def fault() -> Fault | None:
@@ -66,37 +71,28 @@ async def through_proxy(
     data: list[bytes] = []
     error = None
     # A whole answer that faulted: the client has nothing, start over.
+    up = {**body, "return_token_ids": True}
     events = None if whole else engine.stream(path_of(kind), up, fault())
     if whole:
         fault()
-    handle = book.on_original
     try:
-        while True:
-            if events is None:
-                r = refused or book.refusal_now()
-                if r is not None:
-                    raise _Failed(r.code)
-                if not book.can_continue():
-                    raise _Failed("stream_aborted")
-                known = window_known and book.needs_context_window()
-                window = MAX_MODEL_LEN if known else None
-                planned = await book.continuation(engine.decode, window)
-                if planned is None:
-                    data.extend(book.finish_here())
-                    break
-                path, cont = planned
-                orjson.dumps(cont)
-                events, handle = engine.stream(path, cont, fault()), book.on_continuation
-            if _pump(engine, book, events, handle, data) == FINISHED:
+        for _ in range(MAX_STARTS):
+            try:
+                await _relay(engine, book, events, fault, data, window_known)
                 break
-            events = None
+            except SpliceFailed:
+                if not whole:
+                    raise
+                book.start_over()  # no exact splice: a whole answer starts over
+                data.clear()
+                events = None
     except SpliceFailed as e:
         error = e.code
     except _Failed as e:
         error = e.code
     data.extend(book.closing())
     if whole:
-        _, body = _assemble(book, data)
+        _, body = _assemble(book, data, None)
         obj = json.loads(body)
         ans = Answer(error=error or (obj["error"]["code"] if "error" in obj else None))
         if "choices" in obj:
@@ -109,6 +105,38 @@ async def through_proxy(
     for d in data:
         _collect(ans, json.loads(d), kind)
     return ans
+
+
+async def _relay(
+    engine: Engine,
+    book: Book,
+    events: Iterator[Any] | None,
+    fault: Any,
+    data: list[bytes],
+    window_known: bool,
+) -> None:
+    """Relay ``events`` (None: start by continuing) and continue to the end."""
+    refused = refusal(book.body)
+    handle = book.on_original
+    while True:
+        if events is None:
+            r = refused or book.refusal_now()
+            if r is not None:
+                raise _Failed(r.code)
+            if not book.can_continue():
+                raise _Failed("stream_aborted")
+            known = window_known and book.needs_context_window()
+            window = MAX_MODEL_LEN if known else None
+            planned = await book.continuation(engine.decode, window)
+            if planned is None:
+                data.extend(book.finish_here())
+                return
+            path, cont = planned
+            orjson.dumps(cont)
+            events, handle = engine.stream(path, cont, fault()), book.on_continuation
+        if _pump(engine, book, events, handle, data) == FINISHED:
+            return
+        events = None
 
 
 def _pump(engine: Engine, book: Book, events: Iterator[Any], handle: Any, data: list[bytes]) -> str:

@@ -282,6 +282,15 @@ class Book:
             return Refusal("reasoning_in_progress", "the fault came while the model was reasoning")
         return None
 
+    def start_over(self) -> None:
+        """Forget the answer so far, as if nothing had been generated: the
+        next continuation is the request itself (a whole answer's client has
+        nothing yet). The first chunk's id and usage mode stay."""
+        fresh = Book.for_request(self.kind, self.body)
+        fresh.template, fresh.continuous = self.template, self.continuous
+        fresh.wants_usage = self.wants_usage
+        vars(self).update(vars(fresh))
+
     def can_continue(self) -> bool:
         return self.prompt_ids is not None or not self.generated
 

@@ -1,0 +1,366 @@
+"""Faulted answers against fault-free ones: seeded cases through the proxy.
+
+Each case is one request (completions or chat, streamed or whole, greedy or
+sampled, token ids asked or not, usage asked or not, stop strings, budgets,
+``min_tokens``, special and stop tokens) sent twice through the proxy in
+front of two ranks of :mod:`tests.engine_rank`: once fault-free, once with
+faults hitting its upstream requests in turn (abort chunks carrying 0-3
+tokens, before the first token, mid-stream, at the very end, a drop of the
+connection, a drop after the last token, engine-side resume, a second and
+third fault during the continuations), with 1-3 tokens merged per chunk.
+
+The faulted answer must be one the fault-free run could have given: greedy,
+exactly the fault-free one; sampled (the engine draws at random), one
+sequence of ids with no gap or repeat (every continuation's prompt is the
+prompt plus ids the client has, or had), its text theirs, one finish reason
+where they end it, usage right. A whole answer has every field the
+fault-free one has, field by field. A refusal must be one the README
+documents for what the case did. Every bad case is listed with its seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.ranks import RankTable
+from proxy.state import TABLE
+from tests.conftest import replicas
+from tests.engine_rank import EngineRank, Faults
+from tests.fake_engine import (
+    SPECIAL,
+    TOKENS,
+    Engine,
+    Fault,
+    Request,
+    generate,
+    is_greedy,
+    prompt_of,
+)
+
+SEED = 21
+CASES = int(os.environ.get("FTPROXY_DIFFERENTIAL_CASES", "200"))
+# Replay some cases only: FTPROXY_DIFFERENTIAL_ONLY=17,154
+ONLY = [int(n) for n in os.environ.get("FTPROXY_DIFFERENTIAL_ONLY", "").split(",") if n]
+HOLD = {"keepalive_s": 0.02, "stall_s": 5.0, "timeout_s": 5.0}
+STOPS = ["op", "é€", "b a", "€b", "😀", "a", "ab", "st", "t", "é", "€", "\n\n"]
+# Refusals the README documents for sampled streams: where the client has
+# ids or text a fresh sample cannot say again, or a stop string across the
+# splice ends in a chunk of several tokens.
+MERGED = {"stop_across_splice", "stop_at_min_tokens", "stop_token_text"}
+
+
+@dataclass
+class Case:
+    n: int
+    path: str
+    body: dict[str, Any]
+    chunking: list[int]
+    faults: list[Fault | None]
+
+    @property
+    def whole(self) -> bool:
+        return not self.body["stream"]
+
+    @property
+    def chat(self) -> bool:
+        return "messages" in self.body
+
+    @property
+    def ids(self) -> bool:
+        return self.body.get("return_token_ids") is True
+
+    @property
+    def usage(self) -> bool:
+        return "stream_options" in self.body
+
+
+@dataclass
+class View:
+    """What a client got, whatever the shape."""
+
+    status: int
+    raw: Any  # the whole answer, or the stream's data events
+    text: str = ""
+    ids: list[int] | None = None
+    finishes: list[str] = field(default_factory=list)
+    stop_reason: Any = None
+    prompt_ids: list[Any] = field(default_factory=list)  # every one that is not null
+    usage: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    problems: list[str] = field(default_factory=list)  # of the stream's shape
+
+
+async def ask(http: aiohttp.ClientSession, url: str, case: Case) -> View:
+    async with http.post(url + case.path, json=case.body) as r:
+        raw = await r.read()
+        status = r.status
+    if case.whole or status != 200:
+        answer = json.loads(raw)
+        view = View(status, answer)
+        if "error" in answer:
+            view.error = answer["error"].get("code")
+            return view
+        if answer.get("prompt_token_ids") is not None:  # chat's, on the answer
+            view.prompt_ids.append(answer["prompt_token_ids"])
+        _choices(view, answer["choices"], case)
+        view.usage.append(answer["usage"])
+        return view
+    events = [e for e in raw.decode().split("\n\n") if e and not e.startswith(":")]
+    chunks = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
+    view = View(status, chunks)
+    if not events or events[-1] != "data: [DONE]":
+        view.problems.append("the stream does not end with [DONE]")
+    for c in chunks:
+        if "error" in c:
+            view.error = c["error"].get("code")
+            continue
+        if c.get("prompt_token_ids") is not None:
+            view.prompt_ids.append(c["prompt_token_ids"])
+        if c.get("usage") is not None and not c["choices"]:
+            view.usage.append(c["usage"])
+        _choices(view, c["choices"], case)
+    _stream_shape(view, chunks, case)
+    return view
+
+
+def _choices(view: View, choices: list[dict[str, Any]], case: Case) -> None:
+    for ch in choices:
+        if "message" in ch:
+            view.text += ch["message"].get("content") or ""
+        elif "delta" in ch:
+            view.text += ch["delta"].get("content") or ""
+        else:
+            view.text += ch.get("text") or ""
+        if ch.get("token_ids") is not None:
+            view.ids = (view.ids or []) + ch["token_ids"]
+        if ch.get("prompt_token_ids") is not None:
+            view.prompt_ids.append(ch["prompt_token_ids"])
+        if ch.get("finish_reason"):
+            view.finishes.append(ch["finish_reason"])
+            view.stop_reason = ch.get("stop_reason")
+
+
+def _stream_shape(view: View, chunks: list[dict[str, Any]], case: Case) -> None:
+    answers = [c for c in chunks if "error" not in c]
+    if len({c["id"] for c in answers}) > 1:
+        view.problems.append("chunks under several ids")
+    kind = "chat.completion.chunk" if case.chat else "text_completion"
+    if any(c["object"] != kind for c in answers):
+        view.problems.append("a chunk of another object")
+    roles = [c for c in answers for ch in c["choices"] if "role" in (ch.get("delta") or {})]
+    if case.chat and (len(roles) != 1 or not answers or roles[0] is not answers[0]):
+        view.problems.append(f"{len(roles)} role chunks, not one first")
+    if view.usage and answers and answers[-1].get("usage") != view.usage[-1]:
+        view.problems.append("the usage chunk is not the last")
+
+
+def documented(case: Case, got: View, said: list[int]) -> bool:
+    """Whether the README says this case may end with this refusal; ``said``:
+    the ids the ranks had generated for it when it ended."""
+    if case.whole or is_greedy(case.body):
+        return False  # a whole answer's client has nothing; greedy goes back anywhere
+    if got.error == "split_character":
+        return _split(case, got, said)
+    merged = max(case.chunking) > 1 or any(
+        f is not None and int(f.carry) > 1 for f in _all(case.faults)
+    )
+    if got.error == "stop_at_min_tokens":
+        return merged and bool(case.body.get("min_tokens"))
+    return got.error in MERGED and merged and bool(case.body.get("stop"))
+
+
+def _split(case: Case, got: View, said: list[int]) -> bool:
+    """Whether the fault came inside a character of which the client has a
+    token: its id, or text of it (a token can end one character and start
+    the next)."""
+    skip = case.body.get("skip_special_tokens", True) is not False
+
+    def text(k: int) -> str:
+        raw = b"".join(TOKENS[t] for t in said[:k] if not (skip and t in SPECIAL))
+        return raw.decode(errors="replace")
+
+    has = next(k for k in range(len(said) + 1) if len(text(k).rstrip("\ufffd")) >= len(got.text))
+    return text(max(has, len(got.ids or []))).endswith("\ufffd")
+
+
+def _all(faults: list[Fault | None]) -> list[Fault]:
+    out = []
+    for f in faults:
+        while f is not None:
+            out.append(f)
+            f = f.then
+    return out
+
+
+def judge(case: Case, ref: View, got: View, seen: list[Request], engine: Engine) -> list[str]:
+    bad = list(got.problems)
+    prompt = prompt_of(case.path, case.body)
+    # The sequence the client has: its ids, or (not asked) the one the ranks
+    # said: the last request's prompt past the client's, and what it sent.
+    last = seen[-1]
+    said = last.prompt[len(prompt) :] + last.sent
+    if got.error is not None or got.status != 200:
+        if not documented(case, got, said):
+            bad.append(f"refused ({got.status}, {got.error}), which the README does not say")
+        return bad
+    seq = got.ids if case.ids and got.ids is not None else said
+    up = {**case.body, "return_token_ids": True}
+    exp = engine.replay(case.path, up, seq)
+    if not exp.valid:
+        bad.append(f"ids {seq} are no sequence the model says (a gap or a repeat)")
+    if (got.text, got.finishes, got.stop_reason) != (exp.text, [exp.finish], exp.stop_reason):
+        bad.append(
+            f"got {got.text!r} {got.finishes} {got.stop_reason!r}; its ids say "
+            f"{exp.text!r} {exp.finish} {exp.stop_reason!r}"
+        )
+    if case.ids and got.ids != exp.ids:
+        bad.append(f"ids {got.ids}, where the answer is {exp.ids}")
+    if not case.ids and got.ids is not None:
+        bad.append("token ids the client did not ask for")
+    # Without ids, a sampled answer may go back over ids the client has no
+    # text of: only the last prompt is sure to lead to the answer.
+    for r in seen[1:] if case.ids or is_greedy(case.body) else seen[-1:]:
+        if (
+            r.prompt[: len(prompt)] != prompt
+            or r.prompt[len(prompt) :] != seq[: len(r.prompt) - len(prompt)]
+        ):
+            bad.append(
+                f"a continuation's prompt {r.prompt} is not the prompt plus the answer's ids"
+            )
+    want_prompt = [prompt] if case.ids else []
+    if got.prompt_ids != want_prompt:
+        bad.append(f"prompt ids {got.prompt_ids}, not {want_prompt}")
+    if case.usage or case.whole:
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(exp.ids),
+            "total_tokens": len(prompt) + len(exp.ids),
+        }
+        if [{k: u.get(k) for k in usage} for u in got.usage] != [usage]:
+            bad.append(f"usage {got.usage}, not {usage}")
+    if is_greedy(case.body) and (got.text, got.ids, got.finishes, got.stop_reason) != (
+        ref.text,
+        ref.ids,
+        ref.finishes,
+        ref.stop_reason,
+    ):
+        bad.append(f"greedy: got {got.text!r} {got.ids}, fault-free {ref.text!r} {ref.ids}")
+    if case.whole:
+        bad += _fields(ref.raw, got.raw, exact=is_greedy(case.body))
+    return bad
+
+
+# Fields of a whole answer that say what was generated, or when and under
+# which id: a sampled answer's differ from the fault-free run's.
+CONTENT = {
+    "id",
+    "created",
+    "text",
+    "content",
+    "token_ids",
+    "finish_reason",
+    "stop_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+}
+
+
+def _fields(ref: Any, got: Any, exact: bool, at: str = "") -> list[str]:
+    """Where a whole answer's fields differ from the fault-free one's."""
+    if isinstance(ref, dict) and isinstance(got, dict):
+        if set(ref) != set(got):
+            return [f"fields at {at or '.'}: {sorted(got)}, fault-free {sorted(ref)}"]
+        return [p for k in ref for p in _fields(ref[k], got[k], exact, f"{at}.{k}")]
+    if isinstance(ref, list) and isinstance(got, list) and ref and isinstance(ref[0], dict):
+        if len(ref) != len(got):
+            return [f"{at}: {len(got)} entries, fault-free {len(ref)}"]
+        return [p for r, g in zip(ref, got, strict=True) for p in _fields(r, g, exact, at)]
+    name = at.rsplit(".", 1)[-1]
+    if name in ("id", "created") or (name in CONTENT and not exact) or ref == got:
+        return []
+    return [f"{at}: {got!r}, fault-free {ref!r}"]
+
+
+@dataclass
+class Rig:
+    """Two ranks of one engine, each its own group, behind the proxy."""
+
+    engine: Engine
+    faults: Faults
+    url: str
+    table: RankTable
+    http: aiohttp.ClientSession
+
+    async def run(self, n: int, case: Case) -> list[str]:
+        """The case fault-free, then with its faults: what is wrong."""
+        self.engine.chunking, self.faults.todo = case.chunking, []
+        self.engine.rng = random.Random(f"{SEED}:{n}:fault-free")
+        ref = await ask(self.http, self.url, case)
+        await self.settled()
+        mark = len(self.engine.seen)
+        self.faults.todo = list(case.faults)
+        self.engine.rng = random.Random(f"{SEED}:{n}")  # each case replays alone
+        got = await ask(self.http, self.url, case)
+        await self.settled()
+        return judge(case, ref, got, self.engine.seen[mark:], self.engine)
+
+    async def settled(self) -> None:
+        assert await self.table.wait_for(lambda: all(r.routable for r in self.table), 5.0)
+
+
+@pytest.fixture
+async def rig(proxy: Any) -> AsyncIterator[Rig]:
+    engine, faults = Engine(), Faults()
+    ranks = [await EngineRank(name, engine, faults).start() for name in ("a", "b")]
+    try:
+        p = await proxy(replicas(ranks, hold=HOLD, timeouts={"poll_interval_s": 0.02}))
+        async with aiohttp.ClientSession() as http:
+            yield Rig(engine, faults, p.url, p.app[TABLE], http)
+    finally:
+        for r in ranks:
+            await r.stop()
+
+
+def _whole(path: str, **body: Any) -> Case:
+    what = {"messages": [{"role": "user", "content": "ab"}]} if "chat" in path else {"prompt": "ab"}
+    return Case(0, path, {"model": "m", "stream": False, **what, **body}, [1], [])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("ids", [True, None])
+@pytest.mark.parametrize("fault", ["abort", "drop"])
+async def test_a_whole_answer_after_a_fault_has_every_field_of_a_fault_free_one(
+    rig: Rig, path: str, ids: bool | None, fault: str
+) -> None:
+    # The first try is aborted (the rank's answer has vLLM's fields) or lost
+    # (it has none): the answer the proxy puts together has the fields a
+    # fault-free one has, prompt ids where vLLM puts them (in the
+    # completions choice, on the chat answer), usage, stop reason, ids.
+    body = {"temperature": 0, "max_tokens": 12, "stop": ["€b"], "ignore_eos": True}
+    case = _whole(path, **body, **({"return_token_ids": ids} if ids else {}))
+    case.faults = [Fault(4, fault, carry=1), Fault(3, carry=2)]
+    assert await rig.run(0, case) == []
+    assert rig.faults.todo == [] and len(rig.engine.seen) == 4  # fault-free, then 3 tries
+
+
+async def test_a_whole_answer_whose_splice_cannot_be_exact_starts_over(rig: Rig) -> None:
+    # Sampled, ids asked: the restart is aborted inside a character whose
+    # ids the stream had; a stream's client would get split_character, a
+    # whole answer's has nothing yet: the request is sent again.
+    rig.engine.rng = None  # sampled, yet the same tokens every time
+    case = _whole("/v1/completions", return_token_ids=True, max_tokens=16, ignore_eos=True)
+    out = generate(prompt_of(case.path, case.body), 16)
+    inside = next(i for i, t in enumerate(out) if t in (10, 12, 15)) + 1
+    rig.faults.todo = [Fault(0), Fault(inside)]
+    got = await ask(rig.http, rig.url, case)
+    assert got.status == 200 and got.ids == out and got.finishes == ["length"]
+    assert [r.prompt for r in rig.engine.seen] == [prompt_of(case.path, case.body)] * 3
