@@ -584,3 +584,21 @@ async def test_a_completions_stream_whose_first_chunk_is_the_abort_gets_its_prom
     choices = [json.loads(d)["choices"][0] for d in emit.data]
     assert [c["prompt_token_ids"] for c in choices] == [[4], None]
     assert [c["token_ids"] for c in choices] == [[1], [2]]
+
+
+async def test_the_stop_string_matched_across_the_splice_is_the_one_vllm_would_take() -> None:
+    # vLLM held "b" back ("bo" could follow), the abort flushed it. The
+    # continuation's "op" completes "bo" across the splice, and "p" too;
+    # vLLM 0.32 takes the stop string that completes first (its
+    # check_stop_strings), whatever the request's order: the answer ends
+    # before "bo", as the fault-free one does.
+    book = _sampled("completion", stop=["p", "bo"])
+    book.on_original(_piece("completion", [1], "a", prompt_token_ids=[4]))
+    book.on_original(_piece("completion", [2], ""))
+    book.on_original(_piece("completion", [], "b", finish_reason="abort"))
+    _, body = await book.continuation(_engine_decode)
+    assert body["prompt"] == [4, 1, 2] and body["include_stop_str_in_output"] is True
+    last = {"text": "op", "token_ids": [20], "finish_reason": "stop", "stop_reason": "p"}
+    emit = book.on_continuation({"choices": [last]})
+    choice = json.loads(emit.data[0])["choices"][0]
+    assert (choice["text"], choice["stop_reason"], choice["finish_reason"]) == ("", "bo", "stop")

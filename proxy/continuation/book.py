@@ -602,13 +602,15 @@ class Book:
 
 def _first_stop(buf: str, new: int, stops: list[str]) -> tuple[int, str] | None:
     """The stop string vLLM would report for ``buf`` whose last ``new``
-    characters are new: the first in the request's order with a match that
-    takes in new text (vLLM's ``check_stop_strings``), and where it starts."""
+    characters are new, and where it starts: of those with a match that
+    takes in new text, the one that completes first, ties in the request's
+    order (vLLM 0.32's ``check_stop_strings``: as if tokens came one by one)."""
+    best: tuple[int, str] | None = None
     for s in stops:
         i = buf.find(s, max(len(buf) - new - len(s) + 1, 0))
-        if i >= 0:
-            return i, s
-    return None
+        if i >= 0 and (best is None or i + len(s) < best[0] + len(best[1])):
+            best = i, s
+    return best
 
 
 def _hold(stops: list[str]) -> int:
