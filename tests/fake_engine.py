@@ -181,6 +181,7 @@ class Request:
     prompt: list[int]
     sent: list[int] = field(default_factory=list)
     faulted: bool = False
+    fired: list[str] = field(default_factory=list)  # the faults it met, in words
 
 
 @dataclass
@@ -317,10 +318,12 @@ class _Run:
                         return
                     i = at
                 if fault.kind == "resume":
+                    self.req.fired.append("engine-side resume")
                     yield PAUSE
                     fault = fault.then
                     continue
                 if fault.kind == "drop":
+                    self.req.fired.append("connection lost")
                     yield DROP
                     return
                 yield from self._abort(dec, out, i, int(fault.carry))
@@ -335,6 +338,7 @@ class _Run:
                 break
         if fault is not None and fault.kind == "after_done":
             self.req.faulted = True
+            self.req.fired.append("connection lost after the last token")
             yield DROP
             return
         yield from self._end()
@@ -349,8 +353,13 @@ class _Run:
             return
         # Finished: the detokenizer's stop buffer is flushed.
         text, self.sent = text + self.released[self.sent :], len(self.released)
+        if i + len(carried) == len(out) - 1:
+            self.req.fired.append("abort before the budget's last token")
         if text or self.count:
+            self.req.fired.append(f"abort carrying {len(carried)} ids" + (" first" * self.first))
             yield self._chunk(text, "abort", carried)
+        else:
+            self.req.fired.append("abort before the first token (a bare [DONE])")
         yield from self._end()
 
     def _end(self) -> Iterator[Any]:

@@ -11,11 +11,13 @@ third fault during the continuations), with 1-3 tokens merged per chunk.
 
 The faulted answer must be one the fault-free run could have given: greedy,
 exactly the fault-free one; sampled (the engine draws at random), one
-sequence of ids with no gap or repeat (every continuation's prompt is the
-prompt plus ids the client has, or had), its text theirs, one finish reason
-where they end it, usage right. A whole answer has every field the
-fault-free one has, field by field. A refusal must be one the README
-documents for what the case did. Every bad case is listed with its seed.
+sequence of ids with no gap or repeat (the continuations' prompts are the
+prompt plus the answer's first ids), its text theirs, one finish reason
+where they end it, usage right, the prompt ids once if asked. A whole answer
+has every field the fault-free one has, field by field. A refusal must be
+one the README documents for what the case did. Every bad case is listed
+with its number (``FTPROXY_DIFFERENTIAL_ONLY`` replays it alone), and the
+faults that fired are counted: each kind must have.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +83,67 @@ class Case:
     @property
     def usage(self) -> bool:
         return "stream_options" in self.body
+
+
+def draw(n: int) -> Case:
+    rng = random.Random(f"{SEED}:{n}")
+    chat, whole = rng.random() < 0.5, rng.random() < 0.3
+    body: dict[str, Any] = {"model": "m", "stream": not whole}
+    prompt = "".join(rng.choice("abc \n") for _ in range(rng.randint(1, 6)))
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    r = rng.random()
+    if r < 0.35:
+        body["temperature"] = 0
+    elif r < 0.6:
+        body["temperature"] = 0.7  # else none: vLLM's default, sampled
+    ids = rng.choice([True, True, None, None, False])
+    if ids is not None:
+        body["return_token_ids"] = ids
+    if not whole and rng.random() < 0.5:
+        body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.5:
+        body["stop"] = rng.sample(STOPS, rng.randint(1, 2))
+        body["include_stop_str_in_output"] = rng.random() < 0.3
+    r = rng.random()
+    if r < 0.6:
+        body["max_tokens"] = rng.randint(4, 24)
+    elif r < 0.75:
+        body["max_tokens"] = None  # else none: completions 16, chat the window
+    if rng.random() < 0.15:
+        body["min_tokens"] = rng.randint(0, min(body.get("max_tokens") or 8, 8))
+    body["ignore_eos"] = rng.random() < 0.7
+    if rng.random() < 0.1:
+        body["skip_special_tokens"] = False
+    if rng.random() < 0.1:
+        body["stop_token_ids"] = [rng.choice([1, 20, 14])]
+    merged = rng.random() < 0.5
+    chunking = [rng.randint(1, 3) for _ in range(rng.randint(1, 3))] if merged else [1]
+    faults = [_fault(rng) for _ in range(rng.choice([1, 1, 2, 2, 3]))]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return Case(n, path, body, chunking, faults)
+
+
+def _fault(rng: random.Random) -> Fault | None:
+    kinds = ["first", "first", "mid", "mid", "mid", "drop", "end", "after_done", "resume", "none"]
+    kind = rng.choice(kinds)
+    if kind == "first":  # carrying ids, the abort is the first chunk (prompt ids and all)
+        return Fault(0, carry=rng.choice([0, 1, 1, 2]))
+    if kind == "mid":
+        return Fault(rng.randint(1, 14), carry=rng.randint(0, 3))
+    if kind == "drop":
+        return Fault(rng.randint(0, 14), "drop")
+    if kind == "end":  # the abort carries all but the budget's last token
+        carry = rng.randint(0, 3)
+        return Fault(-1 - carry, carry=carry)
+    if kind == "after_done":
+        return Fault(0, "after_done")
+    if kind == "resume":
+        then = Fault(rng.randint(2, 10), carry=rng.randint(0, 3)) if rng.random() < 0.5 else None
+        return Fault(rng.randint(1, 8), "resume", then=then)
+    return None
 
 
 @dataclass
@@ -299,9 +363,11 @@ class Rig:
     url: str
     table: RankTable
     http: aiohttp.ClientSession
+    fired: Counter[str] = field(default_factory=Counter)
 
     async def run(self, n: int, case: Case) -> list[str]:
-        """The case fault-free, then with its faults: what is wrong."""
+        """The case fault-free, then with its faults: what is wrong. The
+        faults that fired are counted in ``fired``."""
         self.engine.chunking, self.faults.todo = case.chunking, []
         self.engine.rng = random.Random(f"{SEED}:{n}:fault-free")
         ref = await ask(self.http, self.url, case)
@@ -311,7 +377,19 @@ class Rig:
         self.engine.rng = random.Random(f"{SEED}:{n}")  # each case replays alone
         got = await ask(self.http, self.url, case)
         await self.settled()
-        return judge(case, ref, got, self.engine.seen[mark:], self.engine)
+        seen = self.engine.seen[mark:]
+        for i, r in enumerate(seen):
+            for what in r.fired:
+                self.fired[what] += 1
+                self.fired["a fault during a continuation"] += i > 0
+                self.fired["a whole answer faulted"] += case.whole
+                self.fired["sampled, ids asked, tokens in the abort"] += (
+                    case.ids and not is_greedy(case.body) and what[:16] in _CARRYING
+                )
+                self.fired["a completions stream's first chunk the abort, ids asked"] += (
+                    case.ids and not (case.chat or case.whole) and what.endswith("first")
+                )
+        return judge(case, ref, got, seen, self.engine)
 
     async def settled(self) -> None:
         assert await self.table.wait_for(lambda: all(r.routable for r in self.table), 5.0)
@@ -328,6 +406,37 @@ async def rig(proxy: Any) -> AsyncIterator[Rig]:
     finally:
         for r in ranks:
             await r.stop()
+
+
+async def test_faulted_answers_are_ones_the_fault_free_run_could_give(rig: Rig) -> None:
+    bad: list[str] = []
+    for n in ONLY or range(CASES):
+        case = draw(n)
+        if problems := await rig.run(n, case):
+            bad.append(
+                f"case {n} {case.path} {case.body} chunking {case.chunking} "
+                f"faults {case.faults}:\n    " + "\n    ".join(problems)
+            )
+    assert not bad, f"{len(bad)} of {CASES} cases bad:\n" + "\n".join(bad)
+    if not ONLY:  # the cases did what this module says they do
+        rare = {k: rig.fired[k] for k in COVERED if rig.fired[k] < 3}
+        assert not rare, f"faults that fired fewer than 3 times: {rare}; all: {rig.fired}"
+
+
+_CARRYING = {f"abort carrying {k}" for k in (1, 2, 3)}
+COVERED = [
+    *(f"abort carrying {k} ids" for k in range(4)),
+    "abort carrying 1 ids first",
+    "abort before the first token (a bare [DONE])",
+    "abort before the budget's last token",
+    "connection lost",
+    "connection lost after the last token",
+    "engine-side resume",
+    "a fault during a continuation",
+    "a whole answer faulted",
+    "sampled, ids asked, tokens in the abort",
+    "a completions stream's first chunk the abort, ids asked",
+]
 
 
 def _whole(path: str, **body: Any) -> Case:
