@@ -542,6 +542,23 @@ def whole_answer(
     return answer
 
 
+def split_character(said: list[int], ids: list[int], text: str, skip_special: bool) -> bool:
+    """Whether a client with ``ids`` and ``text`` of an answer whose engine
+    had said ``said`` when it faulted has a token of a character not yet
+    whole (its id, or text of it: a token can end one character and start
+    the next): a sampled answer cannot go on exactly (README)."""
+
+    def decoded(k: int) -> str:
+        raw = b"".join(TOKENS[t] for t in said[:k] if not (skip_special and t in SPECIAL))
+        return raw.decode(errors="replace")
+
+    has = next(
+        (k for k in range(len(said) + 1) if len(decoded(k).rstrip("\ufffd")) >= len(text)),
+        len(said),
+    )
+    return decoded(max(has, len(ids))).endswith("\ufffd")
+
+
 def _at(fault: Fault | None, n: int) -> int:
     """How many of ``n`` tokens go out before ``fault``."""
     if fault is None:

@@ -38,14 +38,13 @@ from proxy.state import TABLE
 from tests.conftest import replicas
 from tests.engine_rank import EngineRank, Faults
 from tests.fake_engine import (
-    SPECIAL,
-    TOKENS,
     Engine,
     Fault,
     Request,
     generate,
     is_greedy,
     prompt_of,
+    split_character,
 )
 
 SEED = 21
@@ -232,27 +231,14 @@ def documented(case: Case, got: View, said: list[int]) -> bool:
     if case.whole or is_greedy(case.body):
         return False  # a whole answer's client has nothing; greedy goes back anywhere
     if got.error == "split_character":
-        return _split(case, got, said)
+        skip = case.body.get("skip_special_tokens", True) is not False
+        return split_character(said, got.ids or [], got.text, skip)
     merged = max(case.chunking) > 1 or any(
         f is not None and int(f.carry) > 1 for f in _all(case.faults)
     )
     if got.error == "stop_at_min_tokens":
         return merged and bool(case.body.get("min_tokens"))
     return got.error in MERGED and merged and bool(case.body.get("stop"))
-
-
-def _split(case: Case, got: View, said: list[int]) -> bool:
-    """Whether the fault came inside a character of which the client has a
-    token: its id, or text of it (a token can end one character and start
-    the next)."""
-    skip = case.body.get("skip_special_tokens", True) is not False
-
-    def text(k: int) -> str:
-        raw = b"".join(TOKENS[t] for t in said[:k] if not (skip and t in SPECIAL))
-        return raw.decode(errors="replace")
-
-    has = next(k for k in range(len(said) + 1) if len(text(k).rstrip("\ufffd")) >= len(got.text))
-    return text(max(has, len(got.ids or []))).endswith("\ufffd")
 
 
 def _all(faults: list[Fault | None]) -> list[Fault]:

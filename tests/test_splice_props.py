@@ -1,10 +1,15 @@
 """Properties of the splice: for any fault, the client's answer is the
-fault-free one, or a clear refusal.
+fault-free one, or a refusal the README documents.
 
-Faults anywhere (before the first token, inside a multi-byte character, in
-the abort chunk, between the last token and ``[DONE]``, during a
-continuation), any chunking, streamed or whole, chat or completions, stop
-strings, special tokens, with and without token ids.
+Faults anywhere (before the first token, inside a multi-byte character, an
+abort chunk carrying 0-3 tokens, before the budget's last token, between the
+last token and ``[DONE]``, a connection lost, engine-side resume and an
+abort after it, a second and third fault during the continuations), any
+chunking, streamed or whole, chat or completions, greedy or sampled (no
+temperature: vLLM's default), stop strings, special tokens, with and without
+token ids. The fake samples deterministically (the same context, the same
+token), so a sampled answer too must be the fault-free one where the proxy
+continues it.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fake_engine import Engine, Fault
+from tests.fake_engine import Engine, Fault, split_character
 from tests.splice_sim import reference, through_proxy
 
-faults = st.builds(
-    Fault,
-    after=st.integers(0, 24),
-    kind=st.sampled_from(["abort", "abort", "drop", "after_done"]),
-    carry=st.booleans(),
+# Negative: from the end of the budget (-1: before its last token).
+after = st.one_of(st.integers(0, 24), st.integers(-4, -1))
+aborts = st.builds(Fault, after=after, kind=st.just("abort"), carry=st.integers(0, 3))
+faults = st.one_of(
+    aborts,
+    st.builds(Fault, after=after, kind=st.sampled_from(["drop", "after_done"])),
+    st.builds(
+        Fault, after=st.integers(0, 24), kind=st.just("resume"), then=st.one_of(st.none(), aborts)
+    ),
 )
 STOPS = ["op", "é€", "b a", "€b", "😀", "a", "ab", "st", "t", "é", "€", "\n\n", "a b a"]
 requests = st.fixed_dictionaries(
@@ -41,7 +50,9 @@ requests = st.fixed_dictionaries(
      "min_tokens": st.one_of(st.none(), st.integers(0, 12)),
      # Whole-word tokens ("a", " ", "op", "€"): EOS and these end the answer.
      "stop_ids": st.one_of(st.none(), st.lists(st.sampled_from([1, 3, 20, 14]), max_size=2)),
-     "ignore_eos": st.booleans()},
+     "ignore_eos": st.booleans(),
+     # Sampled: no temperature is vLLM's default (1.0).
+     "temperature": st.sampled_from([None, 1.0, 0.7])},
 )  # fmt: skip
 
 
@@ -66,7 +77,10 @@ def body_of(r: dict[str, Any], greedy: bool) -> dict[str, Any]:
         body["min_tokens"] = min(r["min_tokens"], limit)
     if r.get("stop_ids"):
         body["stop_token_ids"] = r["stop_ids"]
-    body["temperature"] = 0 if greedy else 1.0
+    if greedy:
+        body["temperature"] = 0
+    elif r.get("temperature") is not None:
+        body["temperature"] = r["temperature"]
     return body
 
 
@@ -79,14 +93,22 @@ def check(r: dict[str, Any], chunking: list[int], fs: list[Fault | None], whole:
     got = asyncio.run(through_proxy(engine, kind, body, fs, whole, r.get("window", True)))
     if got.error is not None:
         # The fake samples deterministically, so only what sampling really
-        # rules out may be refused: ids the client has, inside a character,
-        # or, where a stop string may span the splice, a merged chunk that
-        # ends one, reaches min_tokens with one, or ends at a stop token.
-        assert not greedy, (got, ref)
+        # rules out may be refused, and only where the client has something
+        # (a whole answer's starts over): a token of a character not yet
+        # whole, or, where a stop string may span the splice, a merged chunk
+        # (several steps, an abort's included) that ends one, reaches
+        # min_tokens with one, or ends at a stop token.
+        assert not greedy and not whole, (got, ref)
         merged = ("stop_across_splice", "stop_at_min_tokens", "stop_token_text")
         assert got.error in ("split_character", *merged), (got, ref)
+        if got.error == "split_character":
+            last = engine.seen[-1]
+            said = last.prompt[len(engine.seen[0].prompt) :] + last.sent
+            skip = r["skip_special"] is None
+            assert split_character(said, got.ids if r["ids"] else [], got.text, skip), (got, ref)
         if got.error in merged:
-            assert max(chunking) > 1, (got, ref)
+            carried = max((int(f.carry) for f in _all(fs)), default=0)
+            assert max(chunking) > 1 or carried > 1, (got, ref)
         if got.error == "stop_at_min_tokens":
             assert body.get("min_tokens"), (got, ref)
         return
@@ -96,6 +118,15 @@ def check(r: dict[str, Any], chunking: list[int], fs: list[Fault | None], whole:
         assert got.ids == ref.ids, (got, ref, engine.requests)
     else:
         assert not got.had_ids
+
+
+def _all(fs: list[Fault | None]) -> list[Fault]:
+    out = []
+    for f in fs:
+        while f is not None:
+            out.append(f)
+            f = f.then
+    return out
 
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -130,7 +161,7 @@ def test_text_held_for_a_stop_string_is_not_sent_after_a_rollback() -> None:
     r = {"kind": "completion", "max_tokens": None, "ids": None, "stop": ["é€"],
          "include_stop": False, "skip_special": None, "prompt": "\n b a"}  # fmt: skip
     for whole in (False, True):
-        check(r, [1], [Fault(after=14, kind="abort", carry=False)], whole, greedy=True)
+        check(r, [1], [Fault(after=14, kind="abort", carry=0)], whole, greedy=True)
 
 
 def test_a_stop_string_across_the_splice_ends_the_answer_at_its_own_token() -> None:
@@ -141,7 +172,7 @@ def test_a_stop_string_across_the_splice_ends_the_answer_at_its_own_token() -> N
     # into one chunk, or the abort chunk carries the faulting step's id.
     r = {"kind": "chat", "max_tokens": None, "ids": True, "stop": ["é€"],
          "include_stop": False, "skip_special": None, "prompt": "a \nbcb"}  # fmt: skip
-    for chunking, carry in [([1], False), ([1], True), ([2, 1], False), ([3], True)]:
+    for chunking, carry in [([1], 0), ([1], 1), ([2, 1], 0), ([3], 1)]:
         for greedy in (True, False):
             for whole in (False, True):
                 check(r, chunking, [Fault(after=15, kind="abort", carry=carry)], whole, greedy)
