@@ -15,6 +15,7 @@ from aiohttp import web
 
 from proxy import accesslog, admin, coordination, drain, generation, models, tracing
 from proxy.accesslog import AccessLog, AccessRecord, End
+from proxy.bounded import Bound
 from proxy.coordination import COORD, Coordination
 from proxy.errors import (
     HttpStatusError,
@@ -45,6 +46,7 @@ from proxy.state import (
     CONFIG_PATH,
     LIMIT,
     METRICS,
+    MODEL_LISTS,
     RECOVERY,
     RELAY,
     REQUEST_ID,
@@ -200,9 +202,7 @@ async def forward_v1(
 
 async def list_models(request: web.Request) -> web.Response:
     check_api_key(request.headers, request.app[SETTINGS].api_keys)
-    # A model list is not a liveness probe: allow more than a status poll.
-    timeout = max(1.0, request.app[SETTINGS].timeouts.poll_timeout_s)
-    merged = await models.gather(request.app[SESSION], request.app[TABLE], timeout)
+    merged = await models.gather(request.app[SESSION], request.app[TABLE], request.app[MODEL_LISTS])
     return web.json_response(merged)
 
 
@@ -255,14 +255,20 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     await client.close()
 
 
+def _model_lists(settings: Settings, metrics: Metrics) -> Bound:
+    # A model list is not a liveness probe: allow more than a status poll.
+    timeout = max(1.0, settings.timeouts.poll_timeout_s)
+    limit = settings.limits.max_model_list_bytes
+    return Bound("models", limit, timeout, metrics.too_large)
+
+
 async def _learn_models(app: web.Application) -> None:
-    timeout = max(1.0, app[SETTINGS].timeouts.poll_timeout_s)
-    await models.learn(app[SESSION], app[TABLE], timeout)
+    await models.learn(app[SESSION], app[TABLE], app[MODEL_LISTS])
 
 
 async def _poll(app: web.Application) -> None:
-    await Poller(app[TABLE], app[SESSION], app[SETTINGS].timeouts,
-                 app[METRICS].task_restarts).run()  # fmt: skip
+    settings = app[SETTINGS]
+    await Poller(app[TABLE], app[SESSION], settings.timeouts, app[METRICS], settings.limits).run()
 
 
 async def _push(app: web.Application) -> None:
@@ -327,6 +333,7 @@ def build_app(
         app[CONFIG_PATH] = config_path
     app[TABLE] = table = RankTable(settings.groups)
     app[METRICS] = Metrics(table)
+    app[MODEL_LISTS] = _model_lists(settings, app[METRICS])
     app[COORD] = coord if coord is not None else coordination.for_settings(settings)
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_background("coordination", _coordinate))

@@ -23,10 +23,11 @@ from prometheus_client import Counter
 
 from engine_ext import protocol
 from proxy import feedmsg
+from proxy.bounded import Bound, fetch
 from proxy.feedmsg import Sequencer
 from proxy.metrics import Metrics
 from proxy.ranks import HEALTHY, UNHEALTHY, UNKNOWN, Rank, RankTable
-from proxy.settings import Timeouts
+from proxy.settings import Limits, Timeouts
 from proxy.supervise import supervised
 
 log = logging.getLogger("ftproxy.feed")
@@ -81,10 +82,18 @@ class Poller:
     """One task per rank: poll its FT status every interval."""
 
     def __init__(
-        self, table: RankTable, session: aiohttp.ClientSession, t: Timeouts,
-        restarts: Counter | None = None,
-    ) -> None:  # fmt: skip
-        self.table, self.session, self.t, self.restarts = table, session, t, restarts
+        self,
+        table: RankTable,
+        session: aiohttp.ClientSession,
+        t: Timeouts,
+        metrics: Metrics | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.table, self.session, self.t = table, session, t
+        self.restarts = metrics.task_restarts if metrics is not None else None
+        max_bytes = (limits or Limits()).max_status_bytes
+        counter = metrics.too_large if metrics is not None else None
+        self.bound = Bound("status", max_bytes, t.poll_timeout_s, counter)
         self._no_ft: set[str] = set()  # ranks whose FT endpoint answered 404
 
     async def run(self) -> None:
@@ -109,17 +118,19 @@ class Poller:
         self.table.observe(rank.name, sent_at, "poll", reachable=True, status=status, detail=detail)
 
     async def _read_status(self, rank: Rank) -> tuple[str, dict[str, Any]]:
-        timeout = aiohttp.ClientTimeout(total=self.t.poll_timeout_s)
         if rank.name not in self._no_ft:
-            async with self.session.get(rank.url + "/fault_tolerance/status", timeout=timeout) as r:
-                if r.status == 200:
-                    return summarize(await r.json(content_type=None))
-                if r.status != 404:
-                    return UNHEALTHY, {"http_status": r.status}
+            url = rank.url + "/fault_tolerance/status"
+            answer = await fetch(self.session, "GET", url, self.bound)
+            if answer.status == 200:
+                return summarize(answer.json())
+            if answer.status != 404:
+                return UNHEALTHY, {"http_status": answer.status}
             self._no_ft.add(rank.name)
             log.info("rank %s has no FT endpoint; using /health", rank.name)
-        async with self.session.get(rank.url + "/health", timeout=timeout) as r:
-            return (HEALTHY if r.status == 200 else UNHEALTHY), {"http_status": r.status}
+        # Its body is read too (and bounded): an answer cut short or too long
+        # is a failed poll, whatever its status said.
+        answer = await fetch(self.session, "GET", rank.url + "/health", self.bound)
+        return (HEALTHY if answer.status == 200 else UNHEALTHY), {"http_status": answer.status}
 
 
 class PushFeed:

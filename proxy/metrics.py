@@ -82,6 +82,13 @@ class Metrics:
             "ftproxy_feed_messages_dropped", "Status-feed messages dropped unread, by reason",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.too_large = Counter(
+            "ftproxy_peer_answers_too_large",
+            "Answers of ranks the proxy reads for itself refused over their size bound, "
+            "by peer (status, models, recovery)",
+            ["peer"],
+            registry=r,
+        )
         self.requests = Counter(
             "ftproxy_requests", "Requests answered, by rank and HTTP code",
             ["rank", "code"], registry=r,

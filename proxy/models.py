@@ -1,7 +1,8 @@
 """Which models the ranks serve.
 
 ``GET /v1/models`` is answered from every healthy rank at once: a rank that
-is down or slow is left out; the call fails only when no rank answers at all.
+is down or slow, or whose list is over ``limits.max_model_list_bytes``, is
+left out; the call fails only when no rank answers at all.
 :func:`learn` keeps each rank's served model names (for model-aware routing,
 see ``Rank.serves``): fetched once a rank is reachable, then every
 ``RELEARN_S``.
@@ -15,26 +16,24 @@ from typing import Any
 
 import aiohttp
 
+from proxy.bounded import Bound, fetch
 from proxy.errors import NoHealthyRank
 from proxy.ranks import Rank, RankTable
 
 
-async def _fetch(session: aiohttp.ClientSession, rank: Rank, timeout_s: float) -> list[Any]:
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with session.get(rank.url + "/v1/models", timeout=timeout) as r:
-        if r.status != 200:
-            return []
-        body = await r.json(content_type=None)
+async def _fetch(session: aiohttp.ClientSession, rank: Rank, bound: Bound) -> list[Any]:
+    answer = await fetch(session, "GET", rank.url + "/v1/models", bound)
+    if answer.status != 200:
+        return []
+    body = answer.json()
     data = body.get("data") if isinstance(body, dict) else None
     return data if isinstance(data, list) else []
 
 
-async def gather(
-    session: aiohttp.ClientSession, table: RankTable, timeout_s: float
-) -> dict[str, Any]:
+async def gather(session: aiohttp.ClientSession, table: RankTable, bound: Bound) -> dict[str, Any]:
     ranks = [r for r in table if r.routable]
     results = await asyncio.gather(
-        *(_fetch(session, r, timeout_s) for r in ranks), return_exceptions=True
+        *(_fetch(session, r, bound) for r in ranks), return_exceptions=True
     )
     seen: dict[str, Any] = {}
     answered = False
@@ -54,7 +53,7 @@ RELEARN_S = 30.0
 
 
 async def learn(
-    session: aiohttp.ClientSession, table: RankTable, timeout_s: float, every_s: float = 0.5
+    session: aiohttp.ClientSession, table: RankTable, bound: Bound, every_s: float = 0.5
 ) -> None:
     while True:
         now = time.monotonic()
@@ -62,7 +61,7 @@ async def learn(
             r for r in table if r.reachable and (r.models is None or now - r.models_at > RELEARN_S)
         ]
         results = await asyncio.gather(
-            *(_fetch(session, r, timeout_s) for r in due), return_exceptions=True
+            *(_fetch(session, r, bound) for r in due), return_exceptions=True
         )
         changed = False
         for rank, result in zip(due, results, strict=True):

@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from proxy.bounded import Bound, parse_json, read_body
 from proxy.errors import RoundInProgress
 from proxy.metrics import Metrics
 from proxy.ranks import DEAD, HEALTHY, UNHEALTHY, Rank, RankTable
@@ -102,6 +103,9 @@ class Recovery:
     ) -> None:
         self.table, self.session, self.settings, self.metrics = table, session, settings, metrics
         self._rounds: dict[str, ActiveRound] = {}
+        # A rank's apply answer is as small as its status.
+        limit, within_s = settings.limits.max_status_bytes, settings.timeouts.poll_timeout_s * 5
+        self._answers = Bound("recovery", limit, within_s, metrics.too_large)
 
     def active(self, group: str) -> ActiveRound | None:
         """The round running for the group now, if any."""
@@ -222,13 +226,12 @@ class Recovery:
         ))  # fmt: skip
 
     async def _apply(self, rank: Rank, body: dict[str, Any], rr: RankReport) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.settings.timeouts.poll_timeout_s * 5)
+        url = rank.url + "/fault_tolerance/apply"
+        timeout = aiohttp.ClientTimeout(total=self._answers.within_s)
         try:
-            async with self.session.post(
-                rank.url + "/fault_tolerance/apply", json=body, timeout=timeout
-            ) as r:
-                rr.http_status = r.status
-                answer = await r.json(content_type=None)
+            async with self.session.post(url, json=body, timeout=timeout) as r:
+                rr.http_status = r.status  # kept when the body is not read
+                answer = parse_json(await read_body(r, self._answers))
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             rr.error = f"{type(e).__name__}: {e}"
             return

@@ -139,6 +139,12 @@ class Limits(BaseModel):
     # A rank's answer read whole (non-streamed, an error's body): larger is
     # 502, never kept. Token ids and logprobs of a long answer fit well below.
     max_upstream_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # What the proxy reads whole from a rank for itself (proxy.bounded): a
+    # status poll's answer (/fault_tolerance/status, /health) and recovery's
+    # apply answer, and a model list. Larger fails that poll or call (the rank
+    # is unreachable until its next good poll); vLLM's are a few hundred bytes.
+    max_status_bytes: int = Field(1024 * 1024, gt=0)
+    max_model_list_bytes: int = Field(4 * 1024 * 1024, gt=0)
     # A connection's request headers must be in within this (from connect or
     # from its previous answer), its body within body_timeout_s: else 408.
     header_timeout_s: float = Field(10.0, gt=0)

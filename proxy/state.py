@@ -9,6 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.accesslog import AccessLog
+from proxy.bounded import Bound
 from proxy.limits import RequestLimit
 from proxy.metrics import Metrics
 from proxy.ranks import RankTable
@@ -27,6 +28,8 @@ METRICS = web.AppKey("metrics", Metrics)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 RELAY = web.AppKey("relay", Relay)
 RECOVERY = web.AppKey("recovery", Recovery)
+# How much of a rank's /v1/models is read (proxy.models).
+MODEL_LISTS = web.AppKey("model_lists", Bound)
 CONFIG_PATH = web.AppKey("config_path", Path)
 LIMIT = web.AppKey("limit", RequestLimit)
 # The HTTPS listener's context, reloaded in place with the config (SIGHUP).

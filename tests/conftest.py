@@ -178,3 +178,26 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_sep("=", "suites skipped: not installed here")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise LookupError(field)
+
+
+def _reset_peak_rss() -> int:
+    """Set this process's peak RSS to its RSS now (Linux), and return that."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pytest.skip("the peak RSS cannot be reset here")
+    return _status_kib("VmRSS") * 1024
+
+
+async def peak_rss_rise(work: Awaitable[Any]) -> int:
+    """Bytes this process's peak RSS rose above its RSS before ``work`` while it ran."""
+    before = _reset_peak_rss()
+    await work
+    return _status_kib("VmHWM") * 1024 - before

@@ -1,0 +1,111 @@
+"""Reading a peer's answer, bounded in size and time.
+
+The relay bounds what it reads itself (proxy.rankclient, proxy.relay). Every
+other read of a rank goes through here: status polls and ``/health``
+(proxy.feed), model lists (proxy.models) and recovery's apply answers
+(proxy.recovery). An answer longer than its bound is refused as soon
+as the bound is passed (at once when its Content-Length says so): the rest is
+never read, and its connection is closed, not pooled. Only that call fails;
+it is logged (at most once a minute for each peer and address) and counted in
+``ftproxy_peer_answers_too_large_total{peer}``.
+
+Errors, beside aiohttp's (``aiohttp.ClientError``) and ``TimeoutError``:
+:class:`TooLarge`, and ``ValueError`` for a body that is not JSON
+(:meth:`Answer.json`). TooLarge is a ValueError too: like a body that is not
+JSON, it is an answer no reader can take.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client import Counter
+
+log = logging.getLogger("ftproxy.peers")
+
+LOG_EVERY_S = 60.0
+
+
+class TooLarge(ValueError):
+    """A peer's answer, or one message of its stream, is over its bound."""
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as JSON, None when it is empty (as aiohttp's ``json()`` reads
+    it); ValueError when it is not (nesting too deep included: the parser's
+    RecursionError is no answer either)."""
+    if not raw.strip():
+        return None
+    try:
+        return jsonlib.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+@dataclass
+class Bound:
+    """How much of one kind of answer is read, and for how long."""
+
+    peer: str  # what answers: status, models, recovery (the metric's label)
+    max_bytes: int
+    # The whole call, from connect to the answer's last byte.
+    within_s: float
+    counter: Counter | None = None
+    _logged: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+
+    def refuse(self, url: str, seen: str) -> TooLarge:
+        """Count and log an answer over the bound; the error to raise."""
+        if self.counter is not None:
+            self.counter.labels(self.peer).inc()
+        now = time.monotonic()
+        if now - self._logged.get(url, -LOG_EVERY_S) >= LOG_EVERY_S:
+            if len(self._logged) > 256:
+                self._logged.clear()  # addresses come and go with reloads
+            self._logged[url] = now
+            log.warning("%s answer from %s over its bound of %d bytes (%s): refused, unread "
+                        "(logged once a minute)", self.peer, url, self.max_bytes, seen)  # fmt: skip
+        return TooLarge(f"{self.peer} answer over {self.max_bytes} bytes ({seen})")
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        """The body as JSON (ValueError when it is not)."""
+        return parse_json(self.body)
+
+
+async def fetch(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    bound: Bound,
+    *,
+    json: Any = None,
+    headers: dict[str, str] | None = None,
+) -> Answer:
+    """One request, its answer read whole within the bound."""
+    timeout = aiohttp.ClientTimeout(total=bound.within_s)
+    async with session.request(method, url, json=json, headers=headers, timeout=timeout) as r:
+        return Answer(r.status, await read_body(r, bound))
+
+
+async def read_body(r: aiohttp.ClientResponse, bound: Bound) -> bytes:
+    """The body of ``r``, read a chunk at a time up to ``bound.max_bytes``."""
+    if r.content_length is not None and r.content_length > bound.max_bytes:
+        r.close()
+        raise bound.refuse(str(r.url), f"Content-Length {r.content_length}")
+    body = bytearray()
+    async for chunk in r.content.iter_any():
+        body += chunk
+        if len(body) > bound.max_bytes:
+            r.close()
+            raise bound.refuse(str(r.url), f"{len(body)} bytes in")
+    return bytes(body)

@@ -1,0 +1,171 @@
+"""A rank's answers the proxy reads whole for itself (status polls, /health,
+model lists, recovery's apply answers) are bounded in size and time: one over
+its bound fails that call, with memory bounded, and the next good one counts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+
+from proxy.server import Running
+from proxy.state import METRICS, TABLE
+from tests.conftest import peak_rss_rise, replicas, settings_for
+from tests.fakes import FakeRank
+
+MiB = 1 << 20
+TOKEN = "t0ken"
+
+
+@dataclass
+class Oversized(FakeRank):
+    """A fake rank whose answers on the paths in ``huge`` are that many bytes
+    (valid JSON to start with, then letters), written 1 MiB at a time, as long
+    as they are there; with ``sized`` under their Content-Length, else chunked.
+    Paths in ``drip`` answer one byte every 0.1 s instead."""
+
+    huge: dict[str, int] = field(default_factory=dict)
+    sized: bool = False
+    drip: set[str] = field(default_factory=set)
+
+    async def _big(self, request: web.Request) -> web.StreamResponse | None:
+        total = self.huge.get(request.path)
+        if total is None and request.path not in self.drip:
+            return None
+        status = 202 if request.path.endswith("/apply") else 200
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "application/json"})
+        if total is not None and self.sized:
+            resp.content_length = total
+        else:
+            resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        head = b'{"engines":[{"status":"healthy","x":"'
+        with contextlib.suppress(ConnectionError):
+            await resp.write(head)
+            if total is None:
+                for _ in range(100):
+                    await asyncio.sleep(0.1)
+                    await resp.write(b"A")
+            block, sent = b"A" * MiB, len(head)
+            while total is not None and sent < total:
+                await resp.write(block[: total - sent])
+                sent += MiB
+        return resp
+
+    async def _status(self, request: web.Request) -> web.StreamResponse:
+        return await self._big(request) or await super()._status(request)
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return await self._big(request) or await super()._health(request)
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return await self._big(request) or await super()._models(request)
+
+    async def _apply(self, request: web.Request) -> web.StreamResponse:
+        return await self._big(request) or await super()._apply(request)
+
+
+@pytest.fixture
+async def oversized() -> object:
+    started: list[FakeRank] = []
+
+    async def make(**kw: object) -> Oversized:
+        rank = await Oversized(**kw).start()  # type: ignore[arg-type]
+        started.append(rank)
+        return rank
+
+    yield make
+    for r in started:
+        await r.stop()
+
+
+def too_large(p: Running, peer: str) -> float:
+    registry = p.app[METRICS].registry
+    return registry.get_sample_value("ftproxy_peer_answers_too_large_total", {"peer": peer}) or 0
+
+
+@pytest.mark.parametrize("sized", [False, True], ids=["chunked", "content-length"])
+@pytest.mark.parametrize("path", ["/fault_tolerance/status", "/health"])
+async def test_an_oversized_status_answer_fails_that_poll_only(
+    oversized, fakes, proxy, path, sized, caplog
+) -> None:
+    a = await oversized(name="a", sized=sized, has_ft=path != "/health")
+    b = await fakes(name="b")
+    p = await proxy(replicas([a, b]))
+    table = p.app[TABLE]
+
+    async def one_bad_poll() -> None:
+        a.huge[path] = 150 * MiB
+        assert await table.wait_for(lambda: not table.ranks["a"].reachable, 5)
+        del a.huge[path]
+
+    rise = await peak_rss_rise(one_bad_poll())
+    assert rise < 48 * MiB, rise / MiB  # 1 MiB by default, read a chunk at a time
+    assert table.ranks["a"].reason == "poll failed: TooLarge"
+    # The next good poll makes it routable again; the other rank never left.
+    assert await table.wait_for(lambda: table.ranks["a"].routable, 2)
+    assert table.ranks["b"].routable
+    assert too_large(p, "status") >= 1
+    assert "status answer" in caplog.text and "over its bound" in caplog.text
+
+
+async def test_a_status_answer_that_drips_fails_its_poll_in_time(oversized, fakes, proxy) -> None:
+    a = await oversized(name="a")
+    b = await fakes(name="b")
+    p = await proxy(replicas([a, b], timeouts={"poll_timeout_s": 0.5}))
+    table = p.app[TABLE]
+    a.drip.add("/fault_tolerance/status")
+    assert await table.wait_for(lambda: not table.ranks["a"].reachable, 1.5)
+    assert table.ranks["a"].reason == "poll failed: TimeoutError"
+    a.drip.clear()
+    assert await table.wait_for(lambda: table.ranks["a"].routable, 2)
+
+
+async def test_an_oversized_model_list_is_left_out(oversized, fakes, proxy, http) -> None:
+    a = await oversized(name="a", served="m-a", huge={"/v1/models": 150 * MiB})
+    b = await fakes(name="b", served="m-b")
+    p = await proxy(replicas([a, b]))
+    table = p.app[TABLE]
+
+    async def model_lists() -> None:
+        assert await table.wait_for(lambda: table.ranks["b"].models is not None, 3)
+        async with http.get(p.url + "/v1/models") as r:
+            assert r.status == 200
+            assert [m["id"] for m in (await r.json())["data"]] == ["m-b"]
+
+    rise = await peak_rss_rise(model_lists())
+    assert rise < 48 * MiB, rise / MiB
+    assert table.ranks["a"].models is None and table.ranks["a"].routable
+    assert too_large(p, "models") >= 2  # learnt and asked for by the client
+    del a.huge["/v1/models"]
+    assert await table.wait_for(lambda: table.ranks["a"].models == {"m-a"}, 3)
+
+
+async def test_an_oversized_apply_answer_is_a_rank_error_of_the_round(
+    oversized, fakes, proxy, http
+) -> None:
+    a = await oversized(name="a", huge={"/fault_tolerance/apply": 150 * MiB})
+    b = await fakes(name="b")
+    p = await proxy(settings_for([a, b], admin={"token": TOKEN}))
+    a.fault()
+    b.fault()
+    answer: dict[str, object] = {}
+
+    async def retry() -> None:
+        async with http.post(
+            p.url + "/admin/retry",
+            json={"group": "dp-a"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as r:
+            assert r.status == 502  # the round failed
+            answer.update(await r.json())
+
+    rise = await peak_rss_rise(retry())
+    assert rise < 48 * MiB, rise / MiB
+    ranks = {r["name"]: r for r in answer["ranks"]}  # type: ignore[attr-defined]
+    assert "TooLarge" in ranks["a"]["error"] and ranks["a"]["http_status"] == 202
+    assert ranks["b"]["sent"] and answer["outcome"] == "failed"
+    assert too_large(p, "recovery") == 1
