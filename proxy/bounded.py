@@ -1,9 +1,10 @@
 """Reading a peer's answer, bounded in size and time.
 
 The relay bounds what it reads itself (proxy.rankclient, proxy.relay). Every
-other read of a rank goes through here: status polls and ``/health``
-(proxy.feed), model lists (proxy.models) and recovery's apply answers
-(proxy.recovery). An answer longer than its bound is refused as soon
+other read of a peer goes through here: status polls and ``/health``
+(proxy.feed), model lists (proxy.models), recovery's apply answers
+(proxy.recovery), and every etcd answer and watch message
+(proxy.coordination.etcd). An answer longer than its bound is refused as soon
 as the bound is passed (at once when its Content-Length says so): the rest is
 never read, and its connection is closed, not pooled. Only that call fails;
 it is logged (at most once a minute for each peer and address) and counted in
@@ -17,9 +18,12 @@ JSON, it is an answer no reader can take.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json as jsonlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +55,10 @@ def parse_json(raw: bytes) -> Any:
 class Bound:
     """How much of one kind of answer is read, and for how long."""
 
-    peer: str  # what answers: status, models, recovery (the metric's label)
+    peer: str  # what answers: status, models, recovery, etcd (the metric's label)
     max_bytes: int
-    # The whole call, from connect to the answer's last byte.
+    # The whole call, from connect to the answer's last byte; for a stream:
+    # its head, then each message from its first byte.
     within_s: float
     counter: Counter | None = None
     _logged: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
@@ -109,3 +114,55 @@ async def read_body(r: aiohttp.ClientResponse, bound: Bound) -> bytes:
             r.close()
             raise bound.refuse(str(r.url), f"{len(body)} bytes in")
     return bytes(body)
+
+
+@contextlib.asynccontextmanager
+async def stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    bound: Bound,
+    *,
+    json: Any = None,
+    headers: dict[str, str] | None = None,
+) -> AsyncIterator[aiohttp.ClientResponse]:
+    """A POST whose answer is a stream meant to stay open: its head must be in
+    within ``bound.within_s``; read it with :func:`lines`."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=bound.within_s)
+    async with contextlib.AsyncExitStack() as stack:
+        async with asyncio.timeout(bound.within_s):
+            r = await stack.enter_async_context(
+                session.post(url, json=json, headers=headers, timeout=timeout)
+            )
+        yield r
+
+
+async def lines(r: aiohttp.ClientResponse, bound: Bound) -> AsyncIterator[bytes]:
+    """The lines of a stream that may idle between them, without their line
+    ends. A line over ``bound.max_bytes`` raises TooLarge, one whose rest is
+    not in within ``bound.within_s`` of its first byte TimeoutError; the
+    stream's end ends the lines (a line cut by it is dropped)."""
+    loop = asyncio.get_running_loop()
+    pending = bytearray()
+    deadline = 0.0
+    while True:
+        if pending:  # a line has begun: its rest is due by the deadline
+            async with asyncio.timeout_at(deadline):
+                chunk = await r.content.readany()
+        else:
+            chunk = await r.content.readany()
+        if not chunk:
+            return
+        began, start, scan = not pending, 0, len(pending)  # what is pending has no line end
+        pending += chunk
+        while (end := pending.find(b"\n", scan)) >= 0:
+            if end - start > bound.max_bytes:
+                break
+            yield bytes(pending[start:end])
+            start = scan = end + 1
+            began = True
+        if len(pending) - start > bound.max_bytes:  # a line ended past it, or one still coming
+            r.close()
+            raise bound.refuse(str(r.url), f"a line of over {bound.max_bytes} bytes")
+        del pending[:start]
+        if pending and began:
+            deadline = loop.time() + bound.within_s

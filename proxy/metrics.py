@@ -84,9 +84,16 @@ class Metrics:
         )  # fmt: skip
         self.too_large = Counter(
             "ftproxy_peer_answers_too_large",
-            "Answers of ranks the proxy reads for itself refused over their size bound, "
-            "by peer (status, models, recovery)",
+            "Answers of ranks and etcd the proxy reads for itself refused over their size "
+            "bound, by peer (status, models, recovery, etcd)",
             ["peer"],
+            registry=r,
+        )
+        self.etcd_skipped = Counter(
+            "ftproxy_etcd_skipped",
+            "etcd entries and watch messages skipped as not of their shape, by reason "
+            "(message, entry, value)",
+            ["reason"],
             registry=r,
         )
         self.requests = Counter(

@@ -208,7 +208,12 @@ class EtcdConfig(BaseModel):
     # A leader that stops renewing loses leadership (and a round it runs is
     # taken over) after this long.
     lease_ttl_s: int = Field(5, ge=2, le=300)
+    # Each call's bound, and for the watch stream its head's and then each
+    # message's from its first byte.
     timeout_s: float = Field(2.0, gt=0)
+    # Each answer and each watch message: larger fails that call (the watch
+    # is opened again); the proxy's own keys take a few KiB a group.
+    max_answer_bytes: int = Field(4 * 1024 * 1024, gt=0)
     ca_file: Path | None = None  # TLS: verify etcd with this CA
     cert_file: Path | None = None  # TLS client certificate (mutual TLS) ...
     key_file: Path | None = None  # ... and its key

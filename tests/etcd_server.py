@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -10,7 +11,9 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+from proxy.coordination.gateway import Client
 from tests.conftest import free_port
 from tests.optional import unavailable
 
@@ -54,3 +57,9 @@ def etcd_server() -> Iterator[str]:
             proc.kill()
             proc.wait()
         shutil.rmtree(data, ignore_errors=True)
+
+
+async def stored_json(client: Client, key: str) -> Any:
+    """The JSON value under ``key`` (None when absent)."""
+    found = await client.get(key)
+    return None if found is None else json.loads(found.value)

@@ -15,7 +15,7 @@ import pytest
 from proxy.coordination.etcd import Client
 from proxy.settings import EtcdConfig
 from tests import replicas
-from tests.etcd_server import etcd_server
+from tests.etcd_server import etcd_server, stored_json
 from tests.fakes import FakeRank
 
 replica = replicas.replica  # the fixture
@@ -113,8 +113,8 @@ async def test_a_dead_driver_or_leader_is_replaced_with_one_fan_out(fakes, repli
         a.fault()
         caller = asyncio.create_task(reps[0].call("POST", "/admin/retry", {"group": "dp-a"}))
         await asyncio.sleep(0.5)
-        owner, _ = await client.get("/ftproxy/rounds/dp-a/owner")
-        record, _ = await client.get("/ftproxy/rounds/dp-a")
+        owner = await stored_json(client, "/ftproxy/rounds/dp-a/owner")
+        record = await stored_json(client, "/ftproxy/rounds/dp-a")
         assert owner is not None and record["state"] == "waiting"
         os.kill(int(owner.split(":")[1]), signal.SIGKILL)
         b.fault()
@@ -123,18 +123,18 @@ async def test_a_dead_driver_or_leader_is_replaced_with_one_fan_out(fakes, repli
         await asyncio.sleep(1.0)
         assert len(a.applies) == len(b.applies) == 1
         assert {x["request_id"] for x in a.applies + b.applies} == {record["round_id"]}
-        done, _ = await client.get("/ftproxy/rounds/dp-a")
+        done = await stored_json(client, "/ftproxy/rounds/dp-a")
         assert done["round_id"] == record["round_id"] and done["state"] == "done"
         assert done["report"]["outcome"] == "recovered"
         caller.cancel()
 
         # kill -9 of the leader: the next fault is still recovered, once.
-        leader, _ = await client.get("/ftproxy/leader/dp-a")
+        leader = await stored_json(client, "/ftproxy/leader/dp-a")
         os.kill(int(leader.split(":")[1]), signal.SIGKILL)
         a.fault()
         b.fault()
         await recovered_once_more(a, b, 2, within=TTL_S + 6)
-        now, _ = await client.get("/ftproxy/leader/dp-a")
+        now = await stored_json(client, "/ftproxy/leader/dp-a")
         assert now != leader
     finally:
         await client.close()
@@ -151,7 +151,7 @@ async def test_each_group_has_its_own_leader(fakes, replica, etcd) -> None:
     client = Client(EtcdConfig(endpoints=[etcd]))
 
     async def leaders_now() -> dict[str, Any]:
-        return {g: (await client.get(f"/ftproxy/leader/{g}"))[0] for g in ("dp-a", "dp-b")}
+        return {g: await stored_json(client, f"/ftproxy/leader/{g}") for g in ("dp-a", "dp-b")}
 
     try:
         # The first process up took both groups; as the others join, it hands

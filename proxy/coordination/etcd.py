@@ -29,30 +29,45 @@ writes ``sent`` before it sends anything. When the owner dies its lease
 expires and the group's leader takes the round over: ``waiting`` -> it runs the
 round from the start under the same id (nothing was sent); ``sent`` -> it
 only watches the ranks and writes the report. Never two fan-outs per round.
+
+Whatever etcd holds or answers, nothing here takes it on trust
+(:mod:`proxy.coordination.gateway` checks the shape of every answer): a value
+that is not JSON of its key's kind (a leader or owner that is no process id,
+a weight that is no count, a round record without its fields, an empty value)
+is skipped, logged and counted (``ftproxy_etcd_skipped_total{reason="value"}``)
+as if the key were absent, and a leader or round key holding junk is taken
+over by a compare-and-swap on its revision. A leader key naming no live
+process (it has no lease, so it would never expire) is taken over the same
+way after two ticks. The watch is supervised: after any error it is opened
+again, and a death is logged and counted in ``ftproxy_task_restarts_total``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import json
 import logging
 import os
 import socket
-import ssl
 import uuid
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
-import aiohttp
+from prometheus_client import Counter
 
+from proxy.bounded import parse_json
 from proxy.coordination import Coordination
-from proxy.errors import ProxyError, RoundInProgress
-from proxy.recovery import RankReport, RoundReport, RoundSpec
+from proxy.coordination.gateway import Client, EtcdError, Stored
+from proxy.errors import RoundInProgress
+from proxy.recovery import RankReport, Recovery, RoundReport, RoundSpec
 from proxy.settings import EtcdConfig
+from proxy.supervise import supervised
+
+__all__ = ["Client", "Etcd", "EtcdError"]  # the gateway's, for callers of this module
 
 log = logging.getLogger("ftproxy.coordination")
+
+T = TypeVar("T")
 
 # What the prefix watch wakes up: the kind of a key is its first part.
 KINDS = ("leader", "rounds", "weights")
@@ -66,190 +81,6 @@ RESYNC_S = 5.0
 WATCH_RETRY_S = 1.0
 
 
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def _unb64(text: str) -> str:
-    return base64.b64decode(text).decode()
-
-
-def _prefix_end(prefix: str) -> str:
-    """etcd's range_end for "every key starting with prefix"."""
-    raw = bytearray(prefix.encode())
-    raw[-1] += 1
-    return base64.b64encode(bytes(raw)).decode()
-
-
-class EtcdError(ProxyError):
-    """etcd did not answer or refused; an admin call gets 503."""
-
-    status, type, code = 503, "server_error", "coordination_unavailable"
-
-
-class Client:
-    """The handful of etcd v3 gateway calls the proxy needs."""
-
-    def __init__(self, cfg: EtcdConfig) -> None:
-        self.cfg = cfg
-        self._session: aiohttp.ClientSession | None = None
-        self._token: str | None = None
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None  # a restarted coordinator opens a new one
-
-    def _ssl(self) -> ssl.SSLContext | None:
-        if not any(u.startswith("https://") for u in self.cfg.endpoints):
-            return None
-        ctx = ssl.create_default_context(cafile=str(self.cfg.ca_file) if self.cfg.ca_file else None)
-        if self.cfg.cert_file is not None:
-            key = str(self.cfg.key_file) if self.cfg.key_file else None
-            ctx.load_cert_chain(str(self.cfg.cert_file), key)
-        return ctx
-
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
-            connector = aiohttp.TCPConnector(ssl=self._ssl() or True)
-            self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
-        return self._session
-
-    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self._open()
-        last: Exception | None = None
-        for endpoint in self.cfg.endpoints:  # the first that answers
-            try:
-                return await self._post(endpoint, path, body)
-            # ValueError, TypeError: a body that is not etcd's JSON (e.g. an
-            # HTML 502 from something in front of etcd) is no answer either.
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError) as e:
-                last = e
-        raise EtcdError(f"no etcd endpoint answered {path}: {last!r}")
-
-    async def _auth(self, endpoint: str) -> dict[str, str]:
-        """The headers a call needs (logs in first when etcd auth is on)."""
-        assert self._session is not None
-        if self.cfg.username and self._token is None:
-            password = self.cfg.password.get_secret_value() if self.cfg.password else ""
-            async with self._session.post(endpoint + "/v3/auth/authenticate",
-                                          json={"name": self.cfg.username,
-                                                "password": password}) as r:  # fmt: skip
-                answer = await r.json(content_type=None)
-                if r.status != 200 or "token" not in answer:
-                    raise EtcdError(f"etcd refused the login: {answer}")
-                self._token = answer["token"]
-        return {"Authorization": self._token} if self._token else {}
-
-    async def _post(self, endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        headers = await self._auth(endpoint)
-        assert self._session is not None
-        async with self._session.post(endpoint + path, json=body, headers=headers) as r:
-            answer = await r.json(content_type=None)
-        if r.status == 401 and self._token:
-            self._token = None  # expired: log in again next time
-        if r.status != 200:
-            raise EtcdError(f"etcd {path}: HTTP {r.status}: {answer}")
-        return dict(answer)
-
-    async def watch(self, prefix: str) -> AsyncIterator[list[str] | None]:
-        """Follow every change under ``prefix`` (the gateway's ``/v3/watch``, one
-        JSON message a line): None once the watch is created, then the keys of
-        each batch of events. Ends with EtcdError when the stream breaks."""
-        session = self._open()
-        body = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix)}}
-        # No total timeout: the stream is meant to stay open; a dead etcd
-        # closes the connection (and the lease ticks notice it meanwhile).
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.timeout_s)
-        last: Exception | None = None
-        for endpoint in self.cfg.endpoints:
-            try:
-                headers = await self._auth(endpoint)
-                async with session.post(endpoint + "/v3/watch", json=body, headers=headers,
-                                        timeout=timeout) as r:  # fmt: skip
-                    if r.status != 200:
-                        raise EtcdError(f"etcd /v3/watch: HTTP {r.status}: {await r.text()}")
-                    async for line in r.content:
-                        if not line.strip():
-                            continue
-                        message = json.loads(line)
-                        result = message.get("result")
-                        if result is None or result.get("canceled"):
-                            raise EtcdError(f"etcd ended the watch: {message}")
-                        if result.get("created"):
-                            yield None
-                        events = result.get("events") or []
-                        if events:
-                            yield [_unb64(e["kv"]["key"]) for e in events]
-                last = EtcdError("etcd closed the watch")
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError) as e:
-                last = e
-        raise EtcdError(f"no etcd endpoint kept the watch on {prefix}: {last!r}")
-
-    # -- kv -----------------------------------------------------------------------
-    async def get(self, key: str) -> tuple[Any, int]:
-        """The JSON value and mod revision of ``key`` (None, 0 when absent)."""
-        answer = await self.call("/v3/kv/range", {"key": _b64(key)})
-        for kv in answer.get("kvs") or []:
-            return json.loads(_unb64(kv["value"])), int(kv.get("mod_revision", 0))
-        return None, 0
-
-    async def get_prefix(self, prefix: str) -> dict[str, str]:
-        answer = await self.call(
-            "/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
-        )
-        return {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in answer.get("kvs") or []}
-
-    async def put(self, key: str, value: Any, lease: str | None = None) -> None:
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(json.dumps(value))}
-        if lease:
-            body["lease"] = lease
-        await self.call("/v3/kv/put", body)
-
-    async def delete(self, key: str) -> None:
-        await self.call("/v3/kv/deleterange", {"key": _b64(key)})
-
-    async def delete_if(self, key: str, value: Any) -> bool:
-        """Delete ``key`` only while it still holds ``value``."""
-        compare = {"key": _b64(key), "target": "VALUE", "value": _b64(json.dumps(value))}
-        answer = await self.call("/v3/kv/txn", {"compare": [compare],
-                                                "success": [{"request_delete_range":
-                                                             {"key": _b64(key)}}]})  # fmt: skip
-        return bool(answer.get("succeeded"))
-
-    async def create(self, key: str, value: Any, lease: str | None = None,
-                     also: list[tuple[str, Any, str | None]] | None = None,
-                     mod_revision: int = 0) -> bool:  # fmt: skip
-        """Put ``key`` only if it is absent (or still at ``mod_revision``)."""
-        if mod_revision:
-            compare = {"key": _b64(key), "target": "MOD", "mod_revision": str(mod_revision)}
-        else:
-            compare = {"key": _b64(key), "target": "CREATE", "create_revision": "0"}
-        puts = [(key, value, lease), *(also or [])]
-        success = []
-        for k, v, ls in puts:
-            put: dict[str, Any] = {"key": _b64(k), "value": _b64(json.dumps(v))}
-            if ls:
-                put["lease"] = ls
-            success.append({"request_put": put})
-        answer = await self.call("/v3/kv/txn", {"compare": [compare], "success": success})
-        return bool(answer.get("succeeded"))
-
-    # -- leases -------------------------------------------------------------------
-    async def grant(self, ttl: int) -> str:
-        answer = await self.call("/v3/lease/grant", {"TTL": str(ttl)})
-        return str(answer["ID"])
-
-    async def keepalive(self, lease: str) -> bool:
-        """Renew the lease; False when it has already expired."""
-        answer = await self.call("/v3/lease/keepalive", {"ID": lease})
-        return int((answer.get("result") or {}).get("TTL", 0)) > 0
-
-    async def revoke(self, lease: str) -> None:
-        await self.call("/v3/lease/revoke", {"ID": lease})
-
-
 class Etcd(Coordination):
     name = "etcd"
     shared_rounds = True
@@ -259,6 +90,8 @@ class Etcd(Coordination):
         self._leader.clear()
         self.cfg = cfg
         self.client = Client(cfg)
+        self.junk = self.client.junk
+        self.restarts: Counter | None = None  # the app's, once attached
         self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         # One leader key per group, all on this process's lease. A group asked
         # about later (wait_leader) is campaigned for from then on.
@@ -273,8 +106,31 @@ class Etcd(Coordination):
         self._taken: set[str] = set()  # rounds this process took over
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    def attach(self, recovery: Recovery) -> None:
+        super().attach(recovery)
+        metrics = recovery.metrics
+        self.client.count_into(metrics.etcd_skipped, metrics.too_large)
+        self.restarts = metrics.task_restarts
+
     def _key(self, *parts: str) -> str:
         return "/".join([self.cfg.prefix.rstrip("/"), *parts])
+
+    def _read(self, key: str, stored: Stored | None, shape: Callable[[Any], T | None]) -> T | None:
+        """The value under ``key`` if it is JSON of its kind's ``shape``; None
+        when absent, or (skipped, logged, counted) when it is not."""
+        if stored is None:
+            return None
+        where = f"etcd key {key[:200]!r}"
+        try:
+            value = parse_json(stored.value)
+        except ValueError as e:
+            self.junk.skip("value", where, f"not JSON: {e}")
+            return None
+        checked = shape(value)
+        if checked is None:
+            seen = f"{str(value)[:60]!r}" if stored.value.strip() else "empty"
+            self.junk.skip("value", where, f"not a {shape.__name__.strip('_')}: {seen}")
+        return checked
 
     # -- lease and leadership -----------------------------------------------------
     def is_leader(self, group: str | None = None) -> bool:
@@ -300,7 +156,7 @@ class Etcd(Coordination):
     async def run(self) -> None:
         """Keep a lease, campaign for each group, take over orphaned rounds."""
         every = max(self.cfg.lease_ttl_s / 3, 0.3)
-        watcher = asyncio.create_task(self._watch())
+        watcher = asyncio.create_task(supervised("etcd-watch", self._watch, self.restarts))
         self._tasks.add(watcher)
         watcher.add_done_callback(self._tasks.discard)
         while True:
@@ -337,12 +193,13 @@ class Etcd(Coordination):
         self._wake = asyncio.Event()
 
     async def _watch(self) -> None:
-        """Follow the prefix for the life of the process; reconnect when it breaks."""
+        """Follow the prefix for the life of the process; reconnect when it
+        breaks (anything else it raises ends it: supervised, it comes back)."""
         root = self.cfg.prefix.rstrip("/") + "/"
         while True:
             try:
                 async for keys in self.client.watch(root):
-                    if keys is None:  # (re)started: whatever changed meanwhile, read it
+                    if keys is None:  # (re)started, or junk: whatever changed, read it
                         self.watching = True
                         self._changed(KINDS)
                     else:
@@ -350,8 +207,9 @@ class Etcd(Coordination):
                         self._changed({SAME_AS.get(f, f) for f in first})
             except EtcdError as e:
                 log.warning("etcd watch: %s; polling until it is back", e)
-            self.watching = False
-            self._changed(KINDS)  # waiters fall back to polling now
+            finally:
+                self.watching = False
+                self._changed(KINDS)  # waiters fall back to polling now
             await asyncio.sleep(WATCH_RETRY_S)
 
     async def _tick(self) -> None:
@@ -376,28 +234,26 @@ class Etcd(Coordination):
         leaders with it.
         """
         assert self.lease is not None
-        members_at = self._key("members") + "/"
-        members = {k[len(members_at) :] for k in await self.client.get_prefix(members_at)}
-        if self.me not in members:
-            await self.client.put(self._key("members", self.me), True, self.lease)
-            members.add(self.me)
-        leaders_at = self._key("leader") + "/"
-        holders = {k[len(leaders_at) :]: json.loads(v)
-                   for k, v in (await self.client.get_prefix(leaders_at)).items()}  # fmt: skip
+        members = await self._members()
+        holders, revisions = await self._holders()
         groups = sorted(self._leads)
         share = -(-len(groups) // len(members))
         mine = [g for g in groups if holders.get(g) == self.me]
         for group in groups:
-            event = self._leads[group]
-            if group in holders:
+            event, holder = self._leads[group], holders.get(group)
+            if holder in members:
                 self._unled.pop(group, None)
-                if holders[group] == self.me and not event.is_set():
+                if holder == self.me and not event.is_set():
                     self._lead(group)  # new, or still ours after an etcd error
-                elif holders[group] != self.me and event.is_set():
-                    event.clear()  # not ours any more (the key went, another took it)
+                elif holder != self.me and event.is_set():
+                    event.clear()  # not ours any more (another took it)
                 continue
+            event.clear()  # no key, junk, or a process that is gone: nobody leads it
             self._unled[group] = self._unled.get(group, 0) + 1
-            if (len(mine) < share or self._unled[group] > 2) and await self._campaign(group):
+            # A live process may not be in the members read yet: a key naming
+            # no member is taken only once it has stayed so for two ticks.
+            may = (len(mine) < share and holder is None) or self._unled[group] > 2
+            if may and await self._campaign(group, revisions.get(group, 0)):
                 mine.append(group)
                 self._lead(group)
         if not any(e.is_set() for e in self._leads.values()):
@@ -410,15 +266,39 @@ class Etcd(Coordination):
                 log.info("%s hands group %s over (it leads %d, its share is %d)",
                          self.me, group, len(mine), share)  # fmt: skip
 
+    async def _members(self) -> set[str]:
+        """Every live process (this one's key written first if it is missing)."""
+        at = self._key("members") + "/"
+        found = await self.client.get_prefix(at)
+        members = {k[len(at) :] for k, stored in found.items() if self._read(k, stored, _true)}
+        if self.me not in members:
+            await self.client.put(self._key("members", self.me), True, self.lease)
+            members.add(self.me)
+        return members
+
+    async def _holders(self) -> tuple[dict[str, str], dict[str, int]]:
+        """Who holds each group's leader key (junk: nobody), and each key's
+        revision: a key held by nobody is taken by a compare-and-swap on it."""
+        at = self._key("leader") + "/"
+        holders: dict[str, str] = {}
+        revisions: dict[str, int] = {}
+        for key, stored in (await self.client.get_prefix(at)).items():
+            revisions[key[len(at) :]] = stored.revision
+            holder = self._read(key, stored, _holder)
+            if holder is not None:
+                holders[key[len(at) :]] = holder
+        return holders, revisions
+
     def _lead(self, group: str) -> None:
         log.info("%s leads recovery of group %s (etcd lease %s)", self.me, group, self.lease)
         self._leads[group].set()
         self._leader.set()
 
-    async def _campaign(self, group: str) -> bool:
-        """Take the group's leader key."""
+    async def _campaign(self, group: str, revision: int) -> bool:
+        """Take the group's leader key: absent (``revision`` 0), or still as read."""
         assert self.lease is not None
-        return await self.client.create(self._key("leader", group), self.me, self.lease)
+        key = self._key("leader", group)
+        return await self.client.create(key, self.me, self.lease, mod_revision=revision)
 
     async def close(self) -> None:
         self._step_down("stopping", logging.INFO)
@@ -434,7 +314,9 @@ class Etcd(Coordination):
         await self._leased.wait()
         key = self._key("rounds", spec.group)
         while True:
-            record, revision = await self.client.get(key)
+            stored = await self.client.get(key)
+            record = self._read(key, stored, _round)  # junk: no round, replaced below
+            revision = stored.revision if stored is not None else 0
             if record is not None and record["state"] != "done":
                 if not _spec(record).same_work(spec):
                     raise RoundInProgress(
@@ -473,7 +355,7 @@ class Etcd(Coordination):
     async def _await_done(self, key: str, round_id: str) -> RoundReport:
         while True:
             seen = self.seen("rounds")
-            record, _ = await self.client.get(key)
+            record = self._read(key, await self.client.get(key), _round)
             if record is None or record["round_id"] != round_id:
                 raise EtcdError(f"round {round_id} vanished from etcd")
             if record["state"] == "done":
@@ -481,52 +363,56 @@ class Etcd(Coordination):
             await self.wait_change("rounds", seen)
 
     async def _take_over_orphans(self) -> None:
-        keys = await self.client.get_prefix(self._key("rounds") + "/")
-        for key, raw in keys.items():
-            if key.endswith("/owner") or key + "/owner" in keys:
-                continue
-            record = json.loads(raw)
-            if record.get("state") == "done" or record["round_id"] in self._taken:
+        found = await self.client.get_prefix(self._key("rounds") + "/")
+        for key, stored in found.items():
+            owner = found.get(key + "/owner")
+            driven = self._read(key + "/owner", owner, _holder) is not None
+            if key.endswith("/owner") or driven:
+                continue  # an owner key, or a round with a driver
+            record = self._read(key, stored, _round)
+            if record is None or record["state"] == "done" or record["round_id"] in self._taken:
                 continue
             if not self.is_leader(record["group"]):
                 continue  # the group's own leader takes it over
-            owner = self.me
-            if not await self.client.create(key + "/owner", owner, self.lease):
+            revision = owner.revision if owner is not None else 0  # junk: replaced
+            if not await self.client.create(
+                key + "/owner", self.me, self.lease, mod_revision=revision
+            ):
                 continue
-            self._taken.add(record["round_id"])
-            sent = record["state"] == "sent"
-            log.warning("round %s of group %s lost its driver (%s); %s takes it over%s",
-                        record["round_id"], record["group"], record.get("owner"), self.me,
-                        ": watching only, it was sent" if sent else "")  # fmt: skip
-            task = asyncio.create_task(self._drive(key, {**record, "owner": owner}, sent))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._take_over(key, record)
+
+    def _take_over(self, key: str, record: dict[str, Any]) -> None:
+        self._taken.add(record["round_id"])
+        sent = record["state"] == "sent"
+        log.warning(
+            "round %s of group %s lost its driver (%s); %s takes it over%s",
+            record["round_id"],
+            record["group"],
+            record.get("owner"),
+            self.me,
+            ": watching only, it was sent" if sent else "",
+        )
+        task = asyncio.create_task(self._drive(key, {**record, "owner": self.me}, sent))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def wait_round_idle(self, group: str) -> None:
         key = self._key("rounds", group)
         while True:
             seen = self.seen("rounds")
-            record, _ = await self.client.get(key)
+            record = self._read(key, await self.client.get(key), _round)
             if record is None or record["state"] == "done":
                 return
             await self.wait_change("rounds", seen)
 
     async def rounds(self) -> list[dict[str, Any]]:
-        keys = await self.client.get_prefix(self._key("rounds") + "/")
+        found = await self.client.get_prefix(self._key("rounds") + "/")
         out = []
-        for key, raw in sorted(keys.items()):
-            if key.endswith("/owner"):
-                continue
-            record = json.loads(raw)
-            out.append({
-                "group": record["group"], "active": record["state"] != "done",
-                "state": record["state"], "trigger": record["trigger"],
-                "params": record["params"], "targets": record["targets"],
-                "driver": keys.get(key + "/owner") and json.loads(keys[key + "/owner"]),
-                "report": record.get("report") or {"round_id": record["round_id"],
-                                                   "instruction": record["instruction"],
-                                                   "outcome": "running"},
-            })  # fmt: skip
+        for key, stored in sorted(found.items()):
+            record = None if key.endswith("/owner") else self._read(key, stored, _round)
+            if record is not None:
+                driver = self._read(key + "/owner", found.get(key + "/owner"), _holder)
+                out.append(_listed(record, driver))
         return out
 
     # -- weights ------------------------------------------------------------------
@@ -537,7 +423,8 @@ class Etcd(Coordination):
     async def weights(self) -> dict[str, int] | None:
         prefix = self._key("weights") + "/"
         found = await self.client.get_prefix(prefix)
-        return {k[len(prefix) :]: int(json.loads(v)) for k, v in found.items()}
+        weights = {k[len(prefix) :]: self._read(k, stored, _weight) for k, stored in found.items()}
+        return {rank: weight for rank, weight in weights.items() if weight is not None}
 
     async def set_removed(self, rank: str) -> bool:
         await self.client.put(self._key("removed", rank), True)
@@ -545,7 +432,74 @@ class Etcd(Coordination):
 
     async def removed(self) -> set[str] | None:
         prefix = self._key("removed") + "/"
-        return {k[len(prefix) :] for k in await self.client.get_prefix(prefix)}
+        found = await self.client.get_prefix(prefix)
+        # A rank once removed never comes back: only the value written means it.
+        return {k[len(prefix) :] for k, stored in found.items() if self._read(k, stored, _true)}
+
+
+def _listed(record: dict[str, Any], driver: str | None) -> dict[str, Any]:
+    """A round as ``/admin/rounds`` lists it."""
+    running = {
+        "round_id": record["round_id"],
+        "instruction": record["instruction"],
+        "outcome": "running",
+    }
+    return {
+        "group": record["group"],
+        "active": record["state"] != "done",
+        "state": record["state"],
+        "trigger": record["trigger"],
+        "params": record["params"],
+        "targets": record["targets"],
+        "driver": driver,
+        "report": record.get("report") or running,
+    }
+
+
+# The shapes of the values under each kind of key: the value, or None for junk.
+def _holder(value: Any) -> str | None:
+    """A process id: ``leader/<group>``, ``rounds/<group>/owner``."""
+    return value if isinstance(value, str) and value else None
+
+
+def _weight(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def _true(value: Any) -> bool | None:
+    """``members/<id>``, ``removed/<rank>``: true is all they hold."""
+    return True if value is True else None
+
+
+_ROUND_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "group": str,
+    "round_id": str,
+    "instruction": str,
+    "state": str,
+    "trigger": str,
+    "params": dict,
+    "targets": (list, type(None)),
+    "wait_unhealthy_s": (int, float),
+    "recover_s": (int, float),
+}
+
+
+def _round(value: Any) -> dict[str, Any] | None:
+    """A round record that every reader of it can take."""
+    if not isinstance(value, dict):
+        return None
+    if not all(isinstance(value.get(f), kind) for f, kind in _ROUND_FIELDS.items()):
+        return None
+    if value["state"] not in ("waiting", "sent", "done"):
+        return None
+    if not all(isinstance(t, str) for t in value["targets"] or ()):
+        return None
+    if value["state"] == "done":
+        try:
+            _report(value["report"])
+        except (KeyError, TypeError, AttributeError):
+            return None
+    return value
 
 
 def _record(spec: RoundSpec, round_id: str, trigger: str) -> dict[str, Any]:

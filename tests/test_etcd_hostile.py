@@ -1,0 +1,377 @@
+"""etcd answering junk: every message shape is checked; a bad key, value or
+watch event is skipped, logged and counted; the watch comes back after any
+error; coordination keeps a leader; an answer over its bound fails its call
+with memory bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from proxy.coordination import COORD
+from proxy.coordination.etcd import Client, EtcdError
+from proxy.metrics import Metrics
+from proxy.ranks import RankTable
+from proxy.server import Running
+from proxy.settings import EtcdConfig, Settings
+from proxy.state import METRICS, TABLE
+from tests.conftest import FAST_POLL_S, peak_rss_rise, until
+from tests.etcd_server import etcd_server, stored_json
+from tests.fake_etcd import JunkGateway, endless
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def etcd() -> Iterator[str]:
+    with etcd_server() as url:
+        yield url
+
+
+@pytest.fixture
+async def gateway(etcd: str) -> AsyncIterator[JunkGateway]:
+    async with JunkGateway(etcd).running() as g:
+        yield g
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+async def put_raw(client: Client, key: str, raw: bytes) -> None:
+    """``raw`` under ``key`` as it is: bytes the proxy itself never writes."""
+    await client.call("/v3/kv/put", {"key": _b64(key.encode()), "value": _b64(raw)})
+
+
+def coordinated(ranks: list[Any], endpoint: str, auto: bool = False, **etcd: Any) -> Settings:
+    return Settings(
+        listen={"host": "127.0.0.1", "port": 0},
+        groups=[
+            {
+                "name": "dp-a",
+                "ranks": [{"name": r.name, "url": r.url} for r in ranks],
+                "auto_recovery": {"enabled": auto, "grace_s": 0.2},
+            }
+        ],
+        timeouts={"poll_interval_s": FAST_POLL_S, "queue_s": 2.0},
+        admin={"token": "t0ken"},
+        coordination={"etcd": {"endpoints": [endpoint], "lease_ttl_s": 2, **etcd}},
+    )
+
+
+def sample(p: Running, name: str, **labels: str) -> float:
+    return p.app[METRICS].registry.get_sample_value(name, labels) or 0.0
+
+
+async def weight_arrives(p: Running, other: Client, weight: int) -> float:
+    """Seconds from a weight override written in etcd to rank a's weight here."""
+    t0 = time.monotonic()
+    await other.put("/ftproxy/weights/a", weight)
+    table = p.app[TABLE]
+    assert await until(lambda: table.ranks["a"].weight == weight, 6.0)
+    return time.monotonic() - t0
+
+
+# What a broken gateway or a sidecar may put on a watch stream, and what each
+# is skipped as: a message not of the gateway's shape, or one event of a batch.
+JUNK_LINES = [
+    (b'{"result":{"events":[{}]}}\n', "entry"),  # an event without kv
+    (b'{"result":{"events":[{"kv":{}}]}}\n', "entry"),  # a kv without key
+    (b'{"result":{"events":[{"kv":{"key":"!!"}}]}}\n', "entry"),  # not base64
+    (b'{"result":{"events":[{"kv":{"key":"/w=="}}]}}\n', "entry"),  # not UTF-8
+    (b'{"result":{"events":[null]}}\n', "entry"),
+    (b"not json\n", "message"),
+    (b"[1, 2]\n", "message"),
+    (b'{"result":[]}\n', "message"),
+    (b'{"result":{"events":"x"}}\n', "message"),
+    (b"[" * 100_000 + b"\n", "message"),  # nested past the JSON parser's recursion
+]
+
+
+async def test_junk_on_the_watch_is_skipped_and_a_weight_change_still_arrives_at_once(
+    gateway, etcd, fakes, proxy, caplog
+) -> None:
+    a = await fakes(name="a")
+    p = await proxy(coordinated([a], gateway.url))
+    coord = p.app[COORD]
+    other = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        assert await until(lambda: coord.watching and gateway.watches == 1, 5)
+        for line, _ in JUNK_LINES:
+            gateway.inject(line)
+        await asyncio.sleep(0.3)
+        took = await weight_arrives(p, other, 0)
+        # By the watch, not by the 5 s re-read: the watcher lived through it.
+        assert took < 1.0, took
+        assert coord.watching and gateway.watches == 1
+        for reason in ("entry", "message"):
+            want = sum(1 for _, r in JUNK_LINES if r == reason)
+            assert sample(p, "ftproxy_etcd_skipped_total", reason=reason) == want, reason
+        assert "etcd watch: entry skipped" in caplog.text
+        assert "etcd watch: message skipped" in caplog.text
+        assert sample(p, "ftproxy_task_restarts_total", task="etcd-watch") == 0
+    finally:
+        await other.close()
+
+
+async def test_a_watcher_that_dies_is_logged_counted_and_comes_back(
+    etcd, fakes, proxy, monkeypatch, caplog
+) -> None:
+    real = Client.watch
+    calls = 0
+
+    async def dies_once(self: Client, prefix: str) -> AsyncIterator[list[str] | None]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the watcher")
+        async for keys in real(self, prefix):
+            yield keys
+
+    monkeypatch.setattr(Client, "watch", dies_once)
+    a = await fakes(name="a")
+    p = await proxy(coordinated([a], etcd))
+    coord = p.app[COORD]
+    other = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        assert await until(lambda: coord.watching, 5)
+        assert sample(p, "ftproxy_task_restarts_total", task="etcd-watch") == 1
+        assert "background task etcd-watch died" in caplog.text
+        assert await weight_arrives(p, other, 0) < 1.0
+    finally:
+        await other.close()
+
+
+# Leader values no process writes: not JSON, empty (the gateway then omits
+# the value), JSON that is no process id, bytes that are not UTF-8, and an id
+# of no live process on no lease (it would never expire).
+JUNK_LEADERS = [b"not json", b"", b"42", b'{"id": 1}', b"\xff\xfe", b'"ghost:1:0"']
+# Junk of every other kind beside it, read on every tick of the leader.
+JUNK_KEYS = {
+    "/ftproxy/rounds/dp-z": b"{",
+    "/ftproxy/rounds/dp-y": b'{"group": "dp-y"}',  # a record without its fields
+    "/ftproxy/rounds/dp-y/owner": b"",
+    "/ftproxy/members/junk": b"",
+    "/ftproxy/weights/a": b"NaN",
+    "/ftproxy/removed/b": b'"yes"',
+}
+
+
+@pytest.mark.parametrize("junk", JUNK_LEADERS, ids=repr)
+async def test_a_junk_leader_value_still_leaves_one_leader_and_automatic_rounds(
+    etcd, fakes, proxy, junk
+) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    client = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        await put_raw(client, "/ftproxy/leader/dp-a", junk)
+        for key, raw in JUNK_KEYS.items():
+            await put_raw(client, key, raw)
+        reps = [await proxy(coordinated([a, b], etcd, auto=True)) for _ in range(2)]
+        coords = [p.app[COORD] for p in reps]
+
+        def leaders() -> int:
+            return sum(c.is_leader("dp-a") for c in coords)
+
+        assert await until(lambda: leaders() == 1, 8), [c.is_leader("dp-a") for c in coords]
+        leader = next(c for c in coords if c.is_leader("dp-a"))
+        assert await stored_json(client, "/ftproxy/leader/dp-a") == leader.me
+        a.fault()
+        b.fault()
+        assert await until(lambda: a.status == b.status == "healthy", 8), (a.status, b.status)
+        assert len(a.applies) == len(b.applies) == 1
+        assert leaders() == 1
+        for p in reps:
+            assert sample(p, "ftproxy_task_restarts_total", task="coordination") == 0
+            assert p.app[TABLE].ranks["a"].weight == 1  # the junk override is no override
+            assert not p.app[TABLE].ranks["b"].removed
+    finally:
+        await client.close()
+
+
+async def test_junk_values_of_every_kind_are_skipped_counted_and_replaced(
+    etcd, fakes, proxy, http
+) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    client = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        for key, raw in {
+            **JUNK_KEYS,
+            "/ftproxy/rounds/dp-a": b"[]",
+            "/ftproxy/weights/b": b"3",
+            "/ftproxy/removed/c": b"true",
+        }.items():
+            await put_raw(client, key, raw)
+        p = await proxy(coordinated([a, b], etcd))
+        coord = p.app[COORD]
+        assert await coord.weights() == {"b": 3}
+        assert await coord.removed() == {"c"}
+        auth = {"Authorization": "Bearer t0ken"}
+        async with http.get(p.url + "/admin/rounds", headers=auth) as r:
+            assert r.status == 200 and (await r.json())["rounds"] == []
+        # A junk round record is no round: a new one replaces it.
+        a.fault()
+        b.fault()
+        body = {"group": "dp-a", "wait_unhealthy_s": 2}
+        async with http.post(p.url + "/admin/retry", json=body, headers=auth) as r:
+            assert r.status == 200 and (await r.json())["outcome"] == "recovered"
+        assert (await stored_json(client, "/ftproxy/rounds/dp-a"))["state"] == "done"
+        assert sample(p, "ftproxy_etcd_skipped_total", reason="value") >= len(JUNK_KEYS)
+    finally:
+        await client.close()
+
+
+def _answer(body: bytes, status: int = 200) -> Any:
+    async def canned(request: web.Request) -> web.Response:
+        return web.Response(body=body, status=status, content_type="application/json")
+
+    return canned
+
+
+KV = '{"key":"L2E=","value":"MQ==","mod_revision":"7"}'  # /a = 1
+# (path, etcd's answer, the call, what it gives: a value, or EtcdError)
+ANSWERS: list[tuple[str, bytes, str, Any]] = [
+    ("/v3/kv/range", b"", "get_prefix", EtcdError),
+    ("/v3/kv/range", b"null", "get_prefix", EtcdError),
+    ("/v3/kv/range", b"[]", "get_prefix", EtcdError),
+    ("/v3/kv/range", b"[" * 100_000, "get_prefix", EtcdError),
+    ("/v3/kv/range", b'{"kvs":"x"}', "get_prefix", EtcdError),
+    ("/v3/kv/range", b"{}", "get_prefix", {}),
+    # A bad entry is skipped, the good ones beside it are kept.
+    (
+        "/v3/kv/range",
+        f'{{"kvs":[5,{{"key":5}},{{"key":"L2I=","value":"!"}},{KV}]}}'.encode(),
+        "get_prefix",
+        {"/a": (b"1", 7)},
+    ),
+    ("/v3/kv/range", b'{"kvs":[{"key":"L2E=","mod_revision":"x"}]}', "get_prefix", {}),
+    (
+        "/v3/kv/range",
+        b'{"kvs":[{"key":"L2E=","mod_revision":"7"}]}',
+        "get_prefix",
+        {"/a": (b"", 7)},
+    ),  # an empty value: the gateway leaves it out
+    ("/v3/kv/txn", b'{"succeeded":"false"}', "create", EtcdError),
+    ("/v3/kv/txn", b'{"succeeded":1}', "create", EtcdError),
+    ("/v3/kv/txn", b"{}", "create", False),  # false is left out
+    ("/v3/kv/txn", b'{"succeeded":true}', "create", True),
+    ("/v3/lease/grant", b"{}", "grant", EtcdError),
+    ("/v3/lease/grant", b'{"ID":"x"}', "grant", EtcdError),
+    ("/v3/lease/grant", b'{"ID":{"a":1}}', "grant", EtcdError),
+    ("/v3/lease/grant", b'{"ID":"12","TTL":"5","error":"no space"}', "grant", EtcdError),
+    ("/v3/lease/grant", b'{"ID":"12","TTL":"5"}', "grant", "12"),
+    ("/v3/lease/keepalive", b'{"result":{"TTL":"abc"}}', "keepalive", EtcdError),
+    ("/v3/lease/keepalive", b'{"result":"x"}', "keepalive", EtcdError),
+    ("/v3/lease/keepalive", b'{"error":{"message":"lost"}}', "keepalive", EtcdError),
+    ("/v3/lease/keepalive", b'{"result":{"ID":"1"}}', "keepalive", False),  # TTL 0: expired
+    ("/v3/lease/keepalive", b'{"result":{"ID":"1","TTL":"5"}}', "keepalive", True),
+]
+
+
+async def _call(client: Client, call: str) -> Any:
+    if call == "get_prefix":
+        found = await client.get_prefix("/")
+        return {k: (s.value, s.revision) for k, s in found.items()}
+    if call == "create":
+        return await client.create("/a", 1)
+    if call == "grant":
+        return await client.grant(5)
+    return await client.keepalive("1")
+
+
+@pytest.mark.parametrize(("path", "body", "call", "gives"), ANSWERS)
+async def test_answers_not_of_etcds_shape_are_etcd_errors_or_skipped(
+    aiohttp_server, path, body, call, gives
+) -> None:
+    app = web.Application()
+    app.router.add_post(path, _answer(body))
+    server = await aiohttp_server(app)
+    metrics = Metrics(RankTable([]))
+    client = Client(EtcdConfig(endpoints=[str(server.make_url("")).rstrip("/")]))
+    client.count_into(metrics.etcd_skipped, metrics.too_large)
+    try:
+        if gives is EtcdError:
+            with pytest.raises(EtcdError):
+                await _call(client, call)
+        else:
+            assert await _call(client, call) == gives
+    finally:
+        await client.close()
+
+
+async def test_a_login_answer_not_of_etcds_shape_is_an_etcd_error(aiohttp_server) -> None:
+    for body in (b'{"token": 5}', b'"token"', b"[]"):
+        app = web.Application()
+        app.router.add_post("/v3/auth/authenticate", _answer(body))
+        server = await aiohttp_server(app)
+        endpoint = str(server.make_url("")).rstrip("/")
+        client = Client(EtcdConfig(endpoints=[endpoint], username="u", password="p"))
+        try:
+            with pytest.raises(EtcdError):
+                await client.get("/a")
+        finally:
+            await client.close()
+
+
+async def test_an_oversized_range_answer_fails_its_call_with_memory_bounded(
+    aiohttp_server, caplog
+) -> None:
+    async def hundred_mib(request: web.Request) -> web.StreamResponse:
+        return await endless(request, 100 * MiB)
+
+    app = web.Application()
+    app.router.add_post("/v3/kv/range", hundred_mib)
+    server = await aiohttp_server(app)
+    metrics = Metrics(RankTable([]))
+    client = Client(EtcdConfig(endpoints=[str(server.make_url("")).rstrip("/")]))
+    client.count_into(metrics.etcd_skipped, metrics.too_large)
+    try:
+        rise = await peak_rss_rise(_refused(client.get_prefix("/")))
+        assert rise < 48 * MiB, rise / MiB  # 4 MiB by default, read a chunk at a time
+        await _refused(client.get_prefix("/"))  # and the next call just the same
+        too_large = metrics.registry.get_sample_value(
+            "ftproxy_peer_answers_too_large_total", {"peer": "etcd"}
+        )
+        assert too_large == 2
+        assert "etcd answer" in caplog.text and "over its bound" in caplog.text
+    finally:
+        await client.close()
+
+
+async def _refused(call: Any) -> None:
+    with pytest.raises(EtcdError, match="TooLarge"):
+        await call
+
+
+async def test_an_oversized_or_unfinished_watch_message_reopens_the_watch(
+    gateway, etcd, fakes, proxy, caplog
+) -> None:
+    a = await fakes(name="a")
+    p = await proxy(coordinated([a], gateway.url, max_answer_bytes=64 * 1024, timeout_s=0.5))
+    coord = p.app[COORD]
+    other = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        assert await until(lambda: coord.watching and gateway.watches == 1, 5)
+        caplog.set_level(logging.WARNING)
+        # A message over the bound (200 KiB: past aiohttp's own line limit too).
+        gateway.inject(b'{"result":{"events":[{"kv":{"key":"' + b"A" * 200_000 + b'"}}]}}\n')
+        assert await until(lambda: not coord.watching or gateway.watches == 0, 2)
+        assert await until(lambda: coord.watching and gateway.watches == 1, 5)
+        assert sample(p, "ftproxy_peer_answers_too_large_total", peer="etcd") == 1
+        assert await weight_arrives(p, other, 0) < 1.0
+        # A message begun and never ended: the watch is reopened after timeout_s.
+        gateway.inject(b'{"result":')
+        assert await until(lambda: not coord.watching, 3)
+        assert "etcd watch" in caplog.text and "TimeoutError" in caplog.text
+        assert await until(lambda: coord.watching and gateway.watches == 1, 5)
+        assert await weight_arrives(p, other, 2) < 1.0
+        assert sample(p, "ftproxy_task_restarts_total", task="etcd-watch") == 0
+    finally:
+        await other.close()
