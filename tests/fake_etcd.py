@@ -20,6 +20,7 @@ class JunkGateway:
         self.upstream = upstream
         self.canned: dict[str, Canned] = {}
         self._watches: list[asyncio.Queue[bytes]] = []
+        self.opened = 0  # watch streams opened so far
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -73,6 +74,7 @@ class JunkGateway:
             return await canned(request)
         assert self._session is not None
         queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self.opened += 1
         body = await request.read()
         resp = web.StreamResponse()
         async with self._session.post(self.upstream + "/v3/watch", data=body) as r:

@@ -79,6 +79,17 @@ async def weight_arrives(p: Running, other: Client, weight: int) -> float:
     return time.monotonic() - t0
 
 
+async def round_ends(client: Client, within_s: float = 5.0) -> str | None:
+    """The outcome of dp-a's round once its report is in etcd (None: not in time)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        record = await stored_json(client, "/ftproxy/rounds/dp-a")
+        if record is not None and record["state"] == "done":
+            return str(record["report"]["outcome"])
+        await asyncio.sleep(0.05)
+    return None
+
+
 # What a broken gateway or a sidecar may put on a watch stream, and what each
 # is skipped as: a message not of the gateway's shape, or one event of a batch.
 JUNK_LINES = [
@@ -149,6 +160,30 @@ async def test_a_watcher_that_dies_is_logged_counted_and_comes_back(
         await other.close()
 
 
+async def test_a_failed_renewal_reopens_the_watch(gateway, etcd, fakes, proxy, monkeypatch) -> None:
+    a = await fakes(name="a")
+    p = await proxy(coordinated([a], gateway.url))
+    coord = p.app[COORD]
+    other = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        assert await until(lambda: coord.watching and gateway.opened == 1, 5)
+        real = coord.client.keepalive
+
+        async def fails_once(lease: str) -> bool:
+            monkeypatch.setattr(coord.client, "keepalive", real)
+            raise EtcdError("etcd did not answer in time")
+
+        # A stream open across an outage may be dead without knowing it: the
+        # watch is opened anew, not trusted.
+        monkeypatch.setattr(coord.client, "keepalive", fails_once)
+        assert await until(lambda: gateway.opened == 2, 5)
+        assert await until(lambda: coord.watching and gateway.watches == 1, 5)
+        assert await weight_arrives(p, other, 0) < 1.0
+        assert sample(p, "ftproxy_task_restarts_total", task="etcd-watch") == 0
+    finally:
+        await other.close()
+
+
 # Leader values no process writes: not JSON, empty (the gateway then omits
 # the value), JSON that is no process id, bytes that are not UTF-8, and an id
 # of no live process on no lease (it would never expire).
@@ -187,6 +222,7 @@ async def test_a_junk_leader_value_still_leaves_one_leader_and_automatic_rounds(
         b.fault()
         assert await until(lambda: a.status == b.status == "healthy", 8), (a.status, b.status)
         assert len(a.applies) == len(b.applies) == 1
+        assert await round_ends(client) == "recovered"
         assert leaders() == 1
         for p in reps:
             assert sample(p, "ftproxy_task_restarts_total", task="coordination") == 0

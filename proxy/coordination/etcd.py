@@ -38,8 +38,9 @@ is skipped, logged and counted (``ftproxy_etcd_skipped_total{reason="value"}``)
 as if the key were absent, and a leader or round key holding junk is taken
 over by a compare-and-swap on its revision. A leader key naming no live
 process (it has no lease, so it would never expire) is taken over the same
-way after two ticks. The watch is supervised: after any error it is opened
-again, and a death is logged and counted in ``ftproxy_task_restarts_total``.
+way after two ticks. The watch is supervised: after any error (a failed lease
+renewal included) it is opened again, and a death is logged and counted in
+``ftproxy_task_restarts_total``.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class Etcd(Coordination):
         self._leased = asyncio.Event()
         self._taken: set[str] = set()  # rounds this process took over
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._watcher: asyncio.Task[None] | None = None
 
     def attach(self, recovery: Recovery) -> None:
         super().attach(recovery)
@@ -156,9 +158,7 @@ class Etcd(Coordination):
     async def run(self) -> None:
         """Keep a lease, campaign for each group, take over orphaned rounds."""
         every = max(self.cfg.lease_ttl_s / 3, 0.3)
-        watcher = asyncio.create_task(supervised("etcd-watch", self._watch, self.restarts))
-        self._tasks.add(watcher)
-        watcher.add_done_callback(self._tasks.discard)
+        self._rewatch()
         while True:
             seen = self.seen("leader")
             try:
@@ -166,11 +166,22 @@ class Etcd(Coordination):
             except EtcdError as e:
                 log.warning("etcd: %s", e)
                 self._step_down("etcd unreachable")  # unsure we still hold them
+                # A watch stream idles between changes: one open across an
+                # outage or a partition may be dead and never hear of it.
+                self._rewatch()
             # A leader key that expired or was given up: campaign now, not
             # at the next renewal.
             await self.wait_change("leader", seen, every)
 
     # -- the watch ----------------------------------------------------------------
+    def _rewatch(self) -> None:
+        """(Re)start the watcher: one task, supervised."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        self._watcher = asyncio.create_task(supervised("etcd-watch", self._watch, self.restarts))
+        self._tasks.add(self._watcher)
+        self._watcher.add_done_callback(self._tasks.discard)
+
     def seen(self, what: str) -> int:
         return self._seq[what]
 
