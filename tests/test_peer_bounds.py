@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -69,11 +71,12 @@ class Oversized(FakeRank):
 
 
 @pytest.fixture
-async def oversized() -> object:
-    started: list[FakeRank] = []
+async def oversized() -> AsyncIterator[Callable[..., Awaitable[Oversized]]]:
+    started: list[Oversized] = []
 
-    async def make(**kw: object) -> Oversized:
-        rank = await Oversized(**kw).start()  # type: ignore[arg-type]
+    async def make(**kw: Any) -> Oversized:
+        rank = Oversized(**kw)
+        await rank.start()
         started.append(rank)
         return rank
 
@@ -152,7 +155,7 @@ async def test_an_oversized_apply_answer_is_a_rank_error_of_the_round(
     p = await proxy(settings_for([a, b], admin={"token": TOKEN}))
     a.fault()
     b.fault()
-    answer: dict[str, object] = {}
+    answer: dict[str, Any] = {}
 
     async def retry() -> None:
         async with http.post(
@@ -165,7 +168,7 @@ async def test_an_oversized_apply_answer_is_a_rank_error_of_the_round(
 
     rise = await peak_rss_rise(retry())
     assert rise < 48 * MiB, rise / MiB
-    ranks = {r["name"]: r for r in answer["ranks"]}  # type: ignore[attr-defined]
+    ranks = {r["name"]: r for r in answer["ranks"]}
     assert "TooLarge" in ranks["a"]["error"] and ranks["a"]["http_status"] == 202
     assert ranks["b"]["sent"] and answer["outcome"] == "failed"
     assert too_large(p, "recovery") == 1
