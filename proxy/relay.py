@@ -33,7 +33,7 @@ from proxy.rankclient import (
     ReadTimeout,
     StaleConnection,
 )
-from proxy.ranks import Rank, RankTable
+from proxy.ranks import HEALTHY, Rank, RankTable
 from proxy.settings import Settings
 from proxy.sink import Reply
 from proxy.target import upstream_url
@@ -79,6 +79,22 @@ class Attempt:
 Respond = Callable[[Reply, Attempt], Awaitable[None]]
 
 
+@dataclass
+class Queue:
+    """How long one request may wait for a healthy rank, over all its tries."""
+
+    limit_s: float
+    waited_s: float = 0.0
+
+    @property
+    def left_s(self) -> float:
+        return max(self.limit_s - self.waited_s, 0.0)
+
+
+def _after(failures: list[str]) -> str:
+    return f" (after: {'; '.join(failures)})" if failures else ""
+
+
 class Relay:
     def __init__(
         self,
@@ -114,16 +130,18 @@ class Relay:
     async def open(self, out: Outbound, queue_s: float | None = None) -> Attempt:
         """Send to a healthy rank; before the first byte, retry on another.
 
-        With no healthy rank, wait up to ``queue_s`` (default: the configured
-        queue timeout) for one.
+        With no healthy rank, at first or once a try failed (its group
+        faulted), wait for one as a new request does: up to ``queue_s`` in
+        all (default: the configured queue timeout).
         """
         tried: set[str] = set()
         failures: list[str] = []
+        queue = Queue(self.settings.timeouts.queue_s if queue_s is None else queue_s)
         for _ in range(1 + self.settings.limits.upstream_retries):
             if not out.may_send():
                 failures.append("no upstream request left in this request's budget")
                 break
-            rank = await self._pick(frozenset(tried), queue_s, out.model)
+            rank = await self._pick(frozenset(tried), queue, out.model, failures)
             if rank is None:
                 break
             tried.add(rank.name)
@@ -212,31 +230,55 @@ class Relay:
         return not others or not out.may_send()
 
     async def _pick(
-        self, exclude: frozenset[str], queue_s: float | None, model: str | None = None
+        self, tried: frozenset[str], queue: Queue, model: str | None, failures: list[str]
     ) -> Rank | None:
-        rank = self.balancer.pick(self.table.serving(model), exclude)
-        if rank is not None or exclude:
-            return rank  # a retry never waits: it has somewhere else to fail over to
-        queue_s = self.settings.timeouts.queue_s if queue_s is None else queue_s
+        rank = self.balancer.pick(self.table.serving(model), tried)
+        if rank is not None:
+            return rank
+        if tried and not self._fault_may_end(tried, model):
+            return None
+        # A retry during a fault waits as a new request does: a peer in the
+        # faulted group comes back with its recovery.
+        await self._queue(queue, model, failures)
+        serving = self.table.serving(model)
+        # A rank that failed is taken again only when no other is back: it
+        # was out of rotation, and a newer poll or push brought it back.
+        return self.balancer.pick(serving, tried) or self.balancer.pick(serving)
+
+    def _fault_may_end(self, tried: frozenset[str], model: str | None) -> bool:
+        """Whether a rank is out of rotation that a recovery or a poll brings
+        back: one these tries did not take out, or one whose engine faulted.
+        Ranks that only these tries took out, healthy by their own word, would
+        fail again; a routable rank tried already (a malformed answer, a
+        redirect) would answer the same."""
+        ranks = self.table.serving(model)
+        if any(r.routable for r in ranks):
+            return False  # tried, all of them (the caller found no other)
+        return any(r.weight > 0 and (r.name not in tried or r.status != HEALTHY) for r in ranks)
+
+    async def _queue(self, queue: Queue, model: str | None, failures: list[str]) -> None:
+        """Wait for a routable rank within what is left of ``queue``."""
         if self.waiting >= self.settings.limits.max_queued:
             self.metrics.no_rank.inc()
-            raise NoHealthyRank("no healthy rank, and the wait queue is full", retry_after_s=1)
+            raise NoHealthyRank(
+                "no healthy rank, and the wait queue is full" + _after(failures), retry_after_s=1
+            )
         self.waiting += 1
         self.metrics.queued.inc()
         since = time.monotonic()
         try:
-            await self.table.wait_for(lambda: self.table.any_routable(model), queue_s)
+            found = await self.table.wait_for(lambda: self.table.any_routable(model), queue.left_s)
         finally:
             self.waiting -= 1
             self.metrics.queued.dec()
+            queue.waited_s += time.monotonic() - since
             self._waited(time.monotonic() - since)
-        rank = self.balancer.pick(self.table.serving(model), exclude)
-        if rank is None:
+        if not found:
             self.metrics.no_rank.inc()
             raise NoHealthyRank(
-                f"no healthy rank within {queue_s:.0f}s", retry_after_s=max(1, round(queue_s))
+                f"no healthy rank within {queue.limit_s:.0f}s" + _after(failures),
+                retry_after_s=max(1, round(queue.limit_s)),
             )
-        return rank
 
     def _waited(self, seconds: float) -> None:
         self.metrics.queue_wait.observe(seconds)

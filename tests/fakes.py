@@ -86,6 +86,9 @@ class FakeRank:
     served: str = "fake-model"
     # The mode from the second generation request on ("hang": accept, never answer).
     then_mode: str | None = None
+    # Set: a generation request waits for it before its mode applies (a rank
+    # holding a request while its group faults, until the test lets it go).
+    gate: asyncio.Event | None = None
     # End streams with [DONE] but no finish_reason (e.g. max_tokens: -1 on some servers).
     no_finish: bool = False
     # Engine-side resume: a fault pauses streams instead of aborting them.
@@ -272,6 +275,8 @@ class FakeRank:
         mode = self.mode
         if self.then_mode is not None and len(self.received) > 1:
             mode = self.then_mode
+        if self.gate is not None:
+            await self.gate.wait()
         if mode == "hang":
             await asyncio.Event().wait()
         if mode == "reset":
