@@ -10,6 +10,8 @@ in the process it runs in, and is idempotent (vLLM may load plugins twice):
 ``FTPROXY_FAULT_INJECT=rank=1;..`` fault injection (worker process)
 ``FTPROXY_CPU_RIG=1``              CPU shims so DP+MoE FT runs on CPU
 ``FTPROXY_RESUME_AFTER_RECOVERY``  resume requests after recovery
+``FTPROXY_REQUEST_LOG=PATH``        each request's prompt and output ids
+                                   (engine-core process), for tests
 =================================  =======================================
 """
 
@@ -23,6 +25,7 @@ _PARTS = (
     ("fault_inject", "FTPROXY_FAULT_INJECT"),
     ("status_pub", "FTPROXY_STATUS_PUB"),
     ("resume", "FTPROXY_RESUME_AFTER_RECOVERY"),
+    ("request_log", "FTPROXY_REQUEST_LOG"),
 )
 
 # Under vLLM's "vllm" logger, so records go where vLLM's own logs go.
@@ -52,3 +55,8 @@ def register() -> None:
         from engine_ext import resume
 
         resume.install(resume=resume_mode == "1")
+    request_log = os.environ.get("FTPROXY_REQUEST_LOG")
+    if request_log:
+        from engine_ext import request_log as recorder
+
+        recorder.install(request_log)

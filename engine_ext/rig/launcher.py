@@ -49,12 +49,18 @@ class RigConfig:
     # a fault that did not happen (tests and the soak use 10 s).
     collective_timeout_s: int = 10
     warm_up: bool = True  # one tiny request per rank once ready
+    # Each rank's engine records every request's prompt and output ids
+    # (engine_ext/request_log.py) to request_log_path(rank).
+    request_log: bool = False
 
     def url(self, rank: int) -> str:
         return f"http://{self.host}:{self.base_port + rank}"
 
     def status_feed(self, rank: int) -> str:
         return f"tcp://{self.host}:{self.pub_base_port + rank}"
+
+    def request_log_path(self, rank: int) -> Path:
+        return (self.log_dir / f"requests-rank{rank}.jsonl").absolute()
 
 
 def rank_command(cfg: RigConfig, rank: int) -> list[str]:
@@ -88,6 +94,8 @@ def rank_env(cfg: RigConfig, rank: int) -> dict[str, str]:
         env["FTPROXY_FAULT_INJECT"] = cfg.fault_inject
     if cfg.resume_after_recovery:
         env["FTPROXY_RESUME_AFTER_RECOVERY"] = "1"
+    if cfg.request_log:
+        env["FTPROXY_REQUEST_LOG"] = str(cfg.request_log_path(rank))
     env.update(cfg.extra_env)
     return env
 
