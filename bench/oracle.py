@@ -11,6 +11,7 @@ soak reports that margin next to every difference instead of hiding it.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,14 @@ def first_difference(a: list[Any] | str, b: list[Any] | str) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def lost_and_extra(want: list[int], got: list[int]) -> tuple[int, int]:
+    """Ids of ``want`` missing from ``got``, and ids of ``got`` not in ``want``."""
+    ops = difflib.SequenceMatcher(a=want, b=got, autojunk=False).get_opcodes()
+    lost = sum(i2 - i1 for tag, i1, i2, _, _ in ops if tag in ("delete", "replace"))
+    extra = sum(j2 - j1 for tag, _, _, j1, j2 in ops if tag in ("insert", "replace"))
+    return lost, extra
 
 
 async def reference(

@@ -1,7 +1,8 @@
 """Real-engine soak: faults injected while streams run, every answer checked.
 
 ``python -m bench.soak [--faults 20] [--modes abort,resume]`` starts the rig
-(2 vLLM CPU ranks, float32 tiny MoE) and the proxy in front of it, per mode:
+(2 vLLM CPU ranks, float32 tiny MoE, each engine recording its requests) and
+the proxy in front of it, per mode:
 
 * ``abort``: vLLM's own behaviour, in-flight requests end with an abort chunk
   and the proxy continues them on a fresh request;
@@ -9,106 +10,57 @@
   requests and resumes them after recovery.
 
 Each round arms one fault on rank 1 a random number of DP steps ahead, sends
-12 requests through the proxy (completions and chat, streamed and whole,
-greedy, 8 of them asking for token ids), waits until both ranks are
-unhealthy, sends ``retry`` to both as an operator would, and compares every
-answer with the fault-free oracle (bench/oracle.py). The table is printed by
-bench/soak_report.py; the raw results go to ``--out`` as JSON.
+20 requests through the proxy, waits until both ranks are unhealthy, sends
+``retry`` to both as an operator would, and checks every answer:
+
+* 12 greedy (completions and chat, streamed and whole, 8 asking for token
+  ids): against the fault-free reference (bench/oracle.py), and for
+  consistency with what the engines did (bench/consistency.py);
+* 8 sampled (temperature 0.7, no seed; completions and chat, streamed and
+  whole, half asking for token ids, streams asking for usage): a fault-free
+  run cannot reproduce them, so only for consistency: the continuations'
+  prompts are the prompt plus ids the client had, the client's ids are the
+  engine's, its text is their detokenization, one finish reason, the count
+  and usage right, no error.
+
+The table is printed by bench/soak_report.py; the raw results go to
+``--out`` as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import difflib
 import json
 import logging
+import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.oracle import NEAR_TIE, Reference, first_difference, references
+from bench import consistency
+from bench.consistency import read_engine_log, request_key
+from bench.oracle import NEAR_TIE, Reference, references
+from bench.soak_answers import (
+    MAX_TOKENS,
+    Answer,
+    ask,
+    check,
+    is_defect,
+    is_sampled,
+    soak_requests,
+)
 from engine_ext.rig.launcher import SERVED_MODEL, Rig, RigConfig
+from engine_ext.rig.model import VOCAB_SIZE
 
 log = logging.getLogger("ftproxy.soak")
 
-MAX_TOKENS = 100
 STREAM_TIMEOUT_S = 240.0  # an answer not finished by then is a hang
 HOLD = {"keepalive_s": 1.0, "stall_s": 30.0, "timeout_s": 120.0}
-PROMPTS = ["the proxy", "café au lait, naïve", "ranks and steps", "données → 数据", "streams"]
-
-
-def soak_requests() -> list[tuple[str, dict[str, Any]]]:
-    out: list[tuple[str, dict[str, Any]]] = []
-    for i in range(12):
-        body: dict[str, Any] = {
-            "model": SERVED_MODEL, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": i % 4 < 2,
-        }  # fmt: skip
-        if i % 3 != 2:
-            body["return_token_ids"] = True
-        prompt = f"Soak {i}: {PROMPTS[i % len(PROMPTS)]}"
-        if i % 2:
-            out.append(
-                (
-                    "/v1/chat/completions",
-                    {**body, "messages": [{"role": "user", "content": prompt}]},
-                )
-            )
-        else:
-            out.append(("/v1/completions", {**body, "prompt": prompt}))
-    return out
-
-
-@dataclass
-class Answer:
-    status: int = 0
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finishes: list[str] = field(default_factory=list)
-    errors: list[Any] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)  # wall clock of each data event
-    hung: bool = False
-
-
-async def ask(http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> Answer:
-    ans = Answer()
-    chat = path.endswith("/chat/completions")
-    try:
-        async with http.post(url + path, json=body) as r:
-            ans.status = r.status
-            if not body.get("stream"):
-                data = await r.json(content_type=None)
-                ans.arrivals.append(time.time())
-                _take(ans, data, chat, whole=True)
-                return ans
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    ans.arrivals.append(time.time())
-                    _take(ans, json.loads(line[6:]), chat, whole=False)
-    except TimeoutError:
-        ans.hung = True
-    except (aiohttp.ClientError, ValueError) as exc:
-        ans.errors.append(repr(exc))
-    return ans
-
-
-def _take(ans: Answer, data: dict[str, Any], chat: bool, whole: bool) -> None:
-    if "error" in data:
-        ans.errors.append(data["error"])
-    for c in data.get("choices") or []:
-        ans.ids.extend(c.get("token_ids") or [])
-        if chat:
-            part = (c.get("message") if whole else c.get("delta")) or {}
-            ans.text += part.get("content") or ""
-        else:
-            ans.text += c.get("text") or ""
-        if c.get("finish_reason"):
-            ans.finishes.append(c["finish_reason"])
 
 
 @dataclass
@@ -168,34 +120,62 @@ async def heal(http: aiohttp.ClientSession, urls: list[str]) -> int:
     return retries
 
 
-def check(
-    path: str, body: dict[str, Any], ref: Reference, ans: Answer, retry_at: float | None
-) -> dict[str, Any]:
-    """One answer against its reference: what the table counts."""
-    wants_ids = bool(body.get("return_token_ids"))
-    ops = difflib.SequenceMatcher(a=ref.ids, b=ans.ids, autojunk=False).get_opcodes()
-    lost = sum(i2 - i1 for tag, i1, i2, _, _ in ops if tag in ("delete", "replace"))
-    extra = sum(j2 - j1 for tag, _, _, j1, j2 in ops if tag in ("insert", "replace"))
-    error = ans.status != 200 or bool(ans.errors) or ans.finishes != ["length"]
-    diff_id = first_difference(ref.ids, ans.ids) if wants_ids else None
-    gaps = [b - a for a, b in zip(ans.arrivals, ans.arrivals[1:], strict=False)]
-    resumed = [t - retry_at for t in ans.arrivals if retry_at is not None and t > retry_at]
-    return {
-        "path": path, "stream": bool(body.get("stream")), "ids": wants_ids,
-        "id_exact": ans.ids == ref.ids if wants_ids else None,
-        "text_exact": ans.text == ref.text,
-        "lost": lost if wants_ids else 0, "extra": extra if wants_ids else 0,
-        "error": error, "hung": ans.hung,
-        "detail": {"status": ans.status, "errors": ans.errors[:2], "finishes": ans.finishes},
-        "first_diff_id": diff_id,
-        "ref_margin_at_diff": ref.margin_at(diff_id) if diff_id is not None else None,
-        "first_diff_char": (at := first_difference(ref.text, ans.text)),
-        # what a difference looks like, for the report (None when exact)
-        "texts": None if at is None else {"reference": ref.text[max(0, at - 20) : at + 40],
-                                          "answer": ans.text[max(0, at - 20) : at + 40]},
-        "max_gap_s": max(gaps, default=0.0) if body.get("stream") else None,
-        "retry_to_resumed_s": resumed[0] if resumed and body.get("stream") else None,
-    }  # fmt: skip
+@dataclass
+class Soak:
+    """What every round of one mode shares."""
+
+    proxy_url: str
+    cfg: RigConfig
+    trigger: Path
+    run: str  # in every request id of this run: records of earlier runs are not read
+    reqs: list[tuple[str, dict[str, Any]]]
+    refs: list[Reference | None]  # None: sampled
+    special: frozenset[int]
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.cfg.url(r) for r in range(self.cfg.ranks)]
+
+    def logs(self) -> list[Path]:
+        return [self.cfg.request_log_path(r) for r in range(self.cfg.ranks)]
+
+
+def detokenizer(http: aiohttp.ClientSession, url: str) -> consistency.Detokenize:
+    """Ids to text by the rank's ``/detokenize``."""
+
+    async def detokenize(ids: list[int]) -> str:
+        async with http.post(url + "/detokenize", json={"model": SERVED_MODEL, "tokens": ids}) as r:
+            data = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"/detokenize answered {r.status}: {data}")
+            return str(data["prompt"])
+
+    return detokenize
+
+
+async def judge(
+    soak: Soak, round_no: int, answers: list[Answer], retry_at: float | None
+) -> list[dict[str, Any]]:
+    """Every answer of a round: against its reference, and for consistency
+    with what the engines recorded."""
+    engine = read_engine_log(soak.logs())
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        detokenize = detokenizer(http, soak.urls[0])
+        for i, ((path, body), ref, ans) in enumerate(
+            zip(soak.reqs, soak.refs, answers, strict=True)
+        ):
+            stream = check(path, body, ref, ans, retry_at)
+            mine = engine.get(request_key(soak.run, round_no, i), [])
+            found = await consistency.check(
+                ans.seen(body), mine, MAX_TOKENS, detokenize, soak.special, check_text=ref is None
+            )
+            if ref is None and body.get("return_token_ids"):
+                stream["lost"], stream["extra"] = found["lost"], found["extra"]
+            stream.update(consistency=found, problems=found["problems"])
+            stream["defect"] = is_defect(stream)
+            out.append(stream)
+    return out
 
 
 def arm(trigger: Path, steps: int) -> None:
@@ -208,17 +188,20 @@ def fired_at(fired_file: Path) -> float | None:
     return float(fired_file.read_text()) if fired_file.exists() else None
 
 
-async def one_round(
-    proxy_url: str, urls: list[str], trigger: Path, refs: list[Reference],
-    reqs: list[tuple[str, dict[str, Any]]], steps: int,
-) -> Round:  # fmt: skip
-    fired_file = Path(str(trigger) + ".fired")
+async def one_round(soak: Soak, round_no: int, steps: int) -> Round:
+    fired_file = Path(str(soak.trigger) + ".fired")
+    urls = soak.urls
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         unplanned = await heal(http, urls)
-        arm(trigger, steps)
+        arm(soak.trigger, steps)
         timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as clients:
-            tasks = [asyncio.create_task(ask(clients, proxy_url, p, b)) for p, b in reqs]
+            tasks = [
+                asyncio.create_task(
+                    ask(clients, soak.proxy_url, p, b, request_key(soak.run, round_no, i))
+                )
+                for i, (p, b) in enumerate(soak.reqs)
+            ]
             fired = await wait_statuses(http, urls, "unhealthy", 90)
             retry_at = healthy_at = None
             if fired:
@@ -228,9 +211,7 @@ async def one_round(
                     healthy_at = time.time()
             answers = await asyncio.gather(*tasks)
     fault_time = fired_at(fired_file)
-    streams = [
-        check(p, b, r, a, retry_at) for (p, b), r, a in zip(reqs, refs, answers, strict=True)
-    ]
+    streams = await judge(soak, round_no, answers, retry_at)
     return Round(
         fault_at_steps=steps, unplanned_faults=unplanned, fired=fired,
         recovered=healthy_at is not None,
@@ -242,16 +223,19 @@ async def one_round(
 
 
 async def run_mode(cfg: RigConfig, trigger: Path, faults: int, seed: int = 0) -> list[Round]:
-    """``faults`` rounds against a running rig (its proxy is started here)."""
+    """``faults`` rounds against a running rig whose engines record their
+    requests (``RigConfig.request_log``); its proxy is started here."""
     from proxy.server import start
     from proxy.settings import Settings
     from proxy.state import TABLE
 
     urls = [cfg.url(r) for r in range(cfg.ranks)]
-    reqs = soak_requests()
+    reqs = soak_requests(consistency.ascii_ids(cfg.model_dir), VOCAB_SIZE)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         unplanned = await heal(http, urls)
-    refs = await references(urls[0], reqs)
+    greedy = await references(urls[0], [r for r in reqs if not is_sampled(r[1])])
+    found = iter(greedy)
+    refs = [None if is_sampled(b) else next(found) for _, b in reqs]
     settings = Settings(
         listen={"host": "127.0.0.1", "port": 0},
         groups=[{"name": "soak", "ranks": [
@@ -263,15 +247,29 @@ async def run_mode(cfg: RigConfig, trigger: Path, faults: int, seed: int = 0) ->
     running = await start(settings)
     table = running.app[TABLE]
     rng = random.Random(seed)
+    soak = Soak(
+        running.url,
+        cfg,
+        trigger,
+        os.urandom(3).hex(),
+        reqs,
+        refs,
+        consistency.special_ids(cfg.model_dir),
+    )
     rounds = []
     try:
         assert await table.wait_for(lambda: all(r.routable for r in table), 20.0)
         for n in range(faults):
             steps = rng.randint(1, MAX_TOKENS - 10)
-            rnd = await one_round(running.url, urls, trigger, refs, reqs, steps)
-            bad = [s for s in rnd.streams if s["error"] or s["hung"] or not s["text_exact"]]
+            rnd = await one_round(soak, n + 1, steps)
+            bad = sum(s["defect"] for s in rnd.streams)
             log.info(
-                "round %d/%d: fault at step %d, %d of 12 not exact", n + 1, faults, steps, len(bad)
+                "round %d/%d: fault at step %d, %d of %d answers with a defect",
+                n + 1,
+                faults,
+                steps,
+                bad,
+                len(rnd.streams),
             )
             rnd.unplanned_faults += unplanned
             unplanned = 0
@@ -288,7 +286,7 @@ def rig_config(mode: str, work: Path) -> tuple[RigConfig, Path]:
     cfg = RigConfig(
         ranks=2, base_port=8700 + off, pub_base_port=5700 + off, rpc_port=13700 + off,
         log_dir=work / f"logs-soak-{mode}", fault_inject=f"rank=1;trigger={trigger}",
-        resume_after_recovery=resume,
+        resume_after_recovery=resume, request_log=True,
     )  # fmt: skip
     return cfg, trigger
 

@@ -75,6 +75,7 @@ class RigPool:
             ranks=2, base_port=8450 + offset, pub_base_port=5580 + offset,
             rpc_port=13355 + offset, log_dir=Path(".rig") / f"logs-e2e-resume{int(resume)}",
             fault_inject=f"rank=1;trigger={trigger}", resume_after_recovery=resume,
+            request_log=True,  # the soak's consistency checks read it
         )  # fmt: skip
         rig = Rig(cfg)
         rig.__enter__()

@@ -1,9 +1,13 @@
-"""Short real-engine soak in CI: a few faults per mode, every answer exact.
+"""Short real-engine soak in CI: a few faults per mode, every answer checked.
 
 The full soak is ``make soak`` (20 faults per mode, table in the README); this
-runs the same rounds (bench/soak.py) with ``FTPROXY_SOAK_FAULTS`` faults per
-mode (default 3) on the e2e rigs, and fails on any lost or extra id, text
-difference, client error or hang. Resume mode runs first: the rig pool still
+runs the same rounds (bench/soak.py: greedy and sampled requests, streamed
+and whole) with ``FTPROXY_SOAK_FAULTS`` faults per mode (default 3) on the
+e2e rigs, and fails on any defect: a greedy answer that is not the fault-free
+one, or any answer inconsistent with what the engines recorded (a gap or
+repeat in its ids, a continuation not sent the ids the client had, a text
+that is not its ids', a second finish reason, a wrong count, usage or prompt
+ids), a client error or a hang. Resume mode runs first: the rig pool still
 holds that mode's rig after the continuity tests.
 """
 
