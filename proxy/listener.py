@@ -136,6 +136,8 @@ class OpenAIErrorsHandler(RequestHandler):
     async def finish_response(
         self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
+        if self._is_last():  # answered before its body was all in: none after it
+            self.close()
         result = await super().finish_response(request, resp, start_time)
         # An idle keep-alive connection is aiohttp's to close, silently, after
         # keepalive_timeout_s; the header timer starts again only once the next
@@ -179,16 +181,22 @@ class OpenAIErrorsHandler(RequestHandler):
 
     def _end_if_last(self) -> None:
         """The request after which the connection must end (proxy.boundaries)
-        has begun: aiohttp answers it, then closes (and drops what it parsed
-        after it, unanswered)."""
-        last = self._boundaries.last if self._boundaries is not None else None
-        if last is not None and self._requests >= last and not self._close:
+        has begun and aiohttp's parser has read all of it: aiohttp answers
+        it, then closes (and drops what it parsed after it, unanswered). Not
+        while its body is coming: aiohttp reads nothing more once closing,
+        so that body would never end (its handler waited for the body
+        timeout). Its answer's end closes at the latest (finish_response)."""
+        if self._is_last() and not self._close and not self._body_coming():
             self.close()
+
+    def _is_last(self) -> bool:
+        last = self._boundaries.last if self._boundaries is not None else None
+        return last is not None and self._requests >= last
 
     @property
     def closing(self) -> bool:
         """No request after the one answered now: its answer says so."""
-        return self._close or self._force_close
+        return self._close or self._force_close or self._is_last()
 
     def _body_coming(self) -> bool:
         """Whether bytes now are the body of the request aiohttp's path

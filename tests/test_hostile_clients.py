@@ -130,8 +130,14 @@ async def test_alone_a_request_without_a_key_is_refused(keyed, talk) -> None:
         [chunked(DETOKENIZE, trailer=b"Authoriz")[:-2], b"ation: Bearer k-1\r\n\r\n"
          + head(BODY) + BODY],
         [chunked(DETOKENIZE, trailer=b"X-A: 1\r\n" + KEY.encode() + b"\r\n") + head(BODY) + BODY],
+        [chunked(DETOKENIZE, trailer=b"X-A: 1\r\n")[:-2], KEY.encode() + b"\r\n\r\n"
+         + head(BODY) + BODY],
+        [chunked(DETOKENIZE, trailer=b"X-A: 1\r\nX")[:-2], b"-B: 2\r\n\r\n" + head(BODY) + BODY],
+        [chunked(DETOKENIZE, trailer=KEY.encode() + b"\r\n")[:-2], b"\r\n" + head(BODY) + BODY],
     ],
-    ids=["one read", "next request in a read of its own", "trailer cut in two", "two fields"],
+    ids=["one read", "next request in a read of its own", "trailer cut in two", "two fields",
+         "second field in a read of its own", "second field cut in two",
+         "the section's end in a read of its own"],
 )  # fmt: skip
 async def test_a_request_trailer_never_becomes_a_header_of_the_next_request(
     keyed, talk, writes
@@ -141,7 +147,9 @@ async def test_a_request_trailer_never_becomes_a_header_of_the_next_request(
     ``Authorization`` authorized a pipelined request that alone is a 401. The
     trailer request is answered (its trailer fields dropped), says
     ``Connection: close`` and is the connection's last: the next request never
-    reaches a handler."""
+    reaches a handler. A trailer section in more than one read is read to its
+    end first (closing at its first field left the request waiting for the
+    rest of its body until the body timeout)."""
     p, rank = keyed
     conv = await talk(p.port, *writes)
     answers = await conv.read_for(3)
@@ -190,6 +198,23 @@ async def test_a_request_after_an_upgrade_request_is_answered_or_closed_at_once(
     assert len(answers) == 1
     assert answers[0].headers.get("connection") == "close"
     assert len(rank.forwarded()) <= 1, "the request after the upgrade reached the rank"
+
+
+@pytest.mark.parametrize("upgrade", ["h2c", "websocket", "foo/2"])
+async def test_an_upgrade_request_whose_body_comes_in_a_later_read_is_answered(
+    keyed, talk, upgrade
+) -> None:
+    """aiohttp's parser reads an upgrade request's body before it would
+    switch protocols (httptools', which finds the connection's end, switches
+    at the head): the connection ends after that body, not before it (the
+    request waited for the rest of its body until the body timeout)."""
+    p, rank = keyed
+    first = head(BODY, KEY, "Connection: Upgrade", f"Upgrade: {upgrade}") + BODY[:5]
+    conv = await talk(p.port, first, BODY[5:])
+    answers = await conv.read_for(3, answers=1)
+    assert [a.status for a in answers] == [200], [a.body for a in answers]
+    assert answers[0].headers.get("connection") == "close"
+    assert [path for _, path in rank.forwarded()] == ["/v1/completions"]
 
 
 # -- answers without a body ------------------------------------------------------
