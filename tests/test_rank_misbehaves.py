@@ -340,6 +340,32 @@ async def test_an_error_body_cut_or_dripped_is_a_502_not_an_internal_error(
     assert metrics.internal_errors._value.get() == 0
 
 
+async def test_an_event_stream_from_an_endpoint_not_continued_and_lost_is_cut_not_a_500(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    """An event stream from an endpoint the proxy does not continue (here
+    /tokenize) goes to the client as it comes, as a stream's error answer
+    does: its connection lost mid-way is the rank's failure (body_lost),
+    never an internal error, and the client's stream is cut (no last chunk):
+    it must not read a clean end."""
+
+    def cut(conn: Conn, body: dict[str, Any]) -> None:
+        conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(b'data: {"a":'))
+        asyncio.get_running_loop().call_later(0.1, _reset, conn)
+
+    _Rank.misbehave = cut
+    running = await _proxy(proxy, rank, lane=False)  # the lane takes no /tokenize
+    log = capture_access_log(running)
+    raw = await _post_raw(running.port, {"model": "m", "prompt": "x"}, "/tokenize")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), raw[:200]
+    assert body == _chunk(b'data: {"a":'), "the client read a clean end, or more"
+    metrics = running.app[METRICS]
+    assert metrics.upstream_errors.labels("r0", "body_lost")._value.get() == 1
+    assert metrics.internal_errors._value.get() == 0
+    assert await until(lambda: "end=upstream_error" in log.getvalue(), 2.0), log.getvalue()
+
+
 # -- one answer never leaks into another ---------------------------------------------
 WHOLE = (
     b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
@@ -348,6 +374,11 @@ WHOLE = (
 
 
 async def _post(port: int, body: dict[str, Any], path: str = "/v1/completions") -> _Raw:
+    """One request on a connection of its own; the answer, read."""
+    return _Raw(await _post_raw(port, body, path))
+
+
+async def _post_raw(port: int, body: dict[str, Any], path: str = "/v1/completions") -> bytes:
     """One request on a connection of its own; the answer as raw bytes."""
     data = orjson.dumps(body)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -359,7 +390,7 @@ async def _post(port: int, body: dict[str, Any], path: str = "/v1/completions") 
         raw = await asyncio.wait_for(reader.read(), 10)
     finally:
         writer.close()
-    return _Raw(raw)
+    return raw
 
 
 class _Raw:
