@@ -52,13 +52,16 @@ async def _at_leader(request: web.Request) -> web.Response | None:
     if path is None or not path.exists():
         raise NoLeader("no process leads recovery right now (one is taking over); retry soon")
     headers = {k: v for k, v in request.headers.items() if k in ("Authorization", "Content-Type")}
+    # Its limit here as at the leader: request.read() would read up to
+    # limits.max_body_bytes (a compression bomb into a buffer twice that).
+    body = await read_body(request, ADMIN_MAX_BODY, request.app[SETTINGS].limits.body_timeout_s)
     # A round may wait up to wait_unhealthy_s + recover_s: no total timeout.
     timeout = aiohttp.ClientTimeout(total=None, connect=5)
     try:
         async with (
             aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path))) as s,
             s.request(request.method, "http://leader" + request.path_qs,
-                      data=await request.read(), headers=headers, timeout=timeout) as r,
+                      data=body, headers=headers, timeout=timeout) as r,
         ):  # fmt: skip
             return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
     except (aiohttp.ClientError, OSError) as e:

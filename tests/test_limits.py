@@ -4,14 +4,19 @@ waiters and held streams are bounded, and answered in the OpenAI shape."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import os
 import time
 import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
+from proxy.coordination.flock import FlockFile
+from proxy.server import start
 from proxy.state import METRICS, RELAY
 from tests.conftest import free_port, replicas, serve_process, settings_for
 from tests.fakes import detok, tokenize
@@ -230,6 +235,61 @@ async def test_a_body_limit_holds_however_the_body_is_framed(fakes, proxy, path,
     assert _status(answer) == 413, answer
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "payload_too_large"
     assert a.forwarded() == []
+
+
+@pytest.mark.parametrize("framing", ["chunked", "gzip"])
+async def test_an_admin_body_over_its_limit_is_refused_by_a_worker_that_does_not_lead(
+    fakes, tmp_path, framing
+) -> None:
+    """A worker that does not lead recovery forwards /admin/retry to the one
+    that does: it read the body whole for that (request.read(): up to
+    limits.max_body_bytes, a compression bomb decoded into a buffer of twice
+    that), so the admin plane's 64 KiB held only at the leader. Now the
+    worker refuses it itself, as it is read, and forwards nothing."""
+    a = await fakes(name="a")
+    got: list[int] = []
+
+    async def leader_retry(request: web.Request) -> web.Response:
+        got.append(len(await request.read()))
+        return web.json_response({"report": {}})
+
+    leader = web.Application()
+    leader.router.add_post("/admin/retry", leader_retry)
+    runner = web.AppRunner(leader)
+    await runner.setup()
+    await web.UnixSite(runner, str(tmp_path / "leader.sock")).start()
+    held = os.open(tmp_path / "leader.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another worker leads: this one never will
+    settings = settings_for([a], admin={"token": "t0k"}, limits={"max_body_bytes": 8 << 20})
+    p = await start(settings, coord=FlockFile(tmp_path))
+    try:
+        body = b'{"group": "dp-a", "pad": "' + b" " * (256 << 10) + b'"}'
+        head = (b"POST /admin/retry HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer t0k\r\n")  # fmt: skip
+        if framing == "chunked":
+            raw = head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (
+                len(body),
+                body,
+            )
+        else:
+            packed = zlib.compress(body, wbits=31)
+            raw = head + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%b" % (
+                len(packed),
+                packed,
+            )
+        reader, writer = await _open(p.port)
+        try:
+            writer.write(raw)
+            answer = await asyncio.wait_for(reader.readuntil(b"}}"), 5)
+        finally:
+            writer.close()
+        assert _status(answer) == 413, answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "payload_too_large"
+        assert got == [], "the worker read the body whole and forwarded it"
+    finally:
+        await p.stop()
+        os.close(held)
+        await runner.cleanup()
 
 
 def _bomb(wbits: int, size: int) -> bytes:
