@@ -64,8 +64,10 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
             return await _read_bounded(request.content, max_bytes)
     except TimeoutError:
         raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
-    except RequestPayloadError:  # e.g. a gzip body that is not gzip
-        raise BodyUnreadable("request body cannot be read or decoded (Content-Encoding?)") from None
+    except RequestPayloadError:  # a gzip body that is not gzip, a bad chunk or trailer
+        raise BodyUnreadable(
+            "request body cannot be read (chunked framing) or decoded (Content-Encoding)"
+        ) from None
 
 
 async def _read_bounded(content: StreamReader, max_bytes: int) -> bytes:

@@ -34,7 +34,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler, _RequestFactory
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo, _RequestFactory
 from aiohttp.web_request import BaseRequest
 
 from proxy.boundaries import Boundaries
@@ -104,6 +104,8 @@ class OpenAIErrorsHandler(RequestHandler):
     # into the next (proxy.boundaries); the requests it has begun to answer.
     _boundaries: Boundaries | None = None
     _requests = 0
+    _body_refused = False  # the parser refused bytes of the body being read
+    _answered = False  # the request aiohttp's path began last has its answer out
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._lane_parts = []
@@ -130,7 +132,8 @@ class OpenAIErrorsHandler(RequestHandler):
         """A request's headers are in: the header timer stops until its answer ends."""
         self._disarm_header_timer()
         self._request_body, self._next_begun = body, False
-        self._requests += 1
+        self._requests, self._answered = self._requests + 1, False
+        self._end_refused_body()
         self._end_if_last()
 
     async def finish_response(
@@ -139,6 +142,11 @@ class OpenAIErrorsHandler(RequestHandler):
         if self._is_last():  # answered before its body was all in: none after it
             self.close()
         result = await super().finish_response(request, resp, start_time)
+        self._answered = True
+        if self._body_refused:
+            # Its answer is out. No lingering read of a body that cannot
+            # end (it would raise the refusal again), no request after it.
+            self.force_close()
         # An idle keep-alive connection is aiohttp's to close, silently, after
         # keepalive_timeout_s; the header timer starts again only once the next
         # request's first bytes arrive (an unasked 408 on an idle connection
@@ -177,7 +185,25 @@ class OpenAIErrorsHandler(RequestHandler):
             self._boundaries = Boundaries()  # from the first byte aiohttp's parser reads
         self._boundaries.feed(data)
         super().data_received(data)
+        self._end_refused_body()
         self._end_if_last()
+
+    def _end_refused_body(self) -> None:
+        """aiohttp's parser refused bytes of the body being read (a bad
+        chunk size, a bad trailer section): it queues its 400 for after the
+        request and leaves that body never ending, so the handler waited
+        limits.body_timeout_s and answered 408 (the body "not received").
+        The body ends with the refusal instead: a 400 at once, as for a body
+        that does not decode (proxy.inbound.read_body)."""
+        body = self._request_body
+        if self._body_refused or self._answered or body is None or body.is_eof():
+            return  # answered: aiohttp reads the rest a moment (lingering), then closes
+        # The parser reads in order: a refusal queued while this body is
+        # still coming is of bytes of this body.
+        refused = next((m for m, _ in self._messages if isinstance(m, _ErrInfo)), None)
+        if refused is not None:
+            self._body_refused = True
+            body.set_exception(RequestPayloadError(refused.message))
 
     def _end_if_last(self) -> None:
         """The request after which the connection must end (proxy.boundaries)

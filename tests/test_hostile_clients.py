@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -166,6 +167,52 @@ async def test_a_chunked_request_without_trailers_keeps_the_connection(keyed, ta
     answers = await conv.read_for(3, answers=2)
     assert [a.status for a in answers] == [200, 200]
     assert "connection" not in answers[0].headers and not conv.closed
+
+
+_HEAD = chunked(DETOKENIZE).partition(b"\r\n\r\n")[0] + b"\r\n\r\n"
+_CHUNK = b"%x\r\n%b\r\n" % (len(DETOKENIZE), DETOKENIZE)
+_REFUSED_LATER = {
+    "a bad chunk size": [_HEAD, b"zz\r\n"],
+    "a bad chunk size after a chunk": [_HEAD + _CHUNK, b"5 x\r\n"],
+    "a bad trailer field": [_HEAD + _CHUNK, b"0\r\nX a: 1\r\n\r\n"],
+    "too many trailer fields": [_HEAD + _CHUNK, b"0\r\n" + b"X: 1\r\n" * 200 + b"\r\n"],
+    "a trailer field over 8190 bytes": [_HEAD + _CHUNK, b"0\r\nX: " + b"v" * 9000 + b"\r\n\r\n"],
+}
+
+
+@pytest.mark.parametrize("case", list(_REFUSED_LATER))
+async def test_a_chunked_body_refused_by_the_parser_in_a_later_read_is_a_400_at_once(
+    keyed, talk, case
+) -> None:
+    """aiohttp's parser, refusing bytes of a body being read, queued its 400
+    for after the request and left that body never ending: the handler
+    waited limits.body_timeout_s (60 s), then answered 408 "not received".
+    Now the body ends with the refusal: a 400 at once, the connection's
+    last, and nothing reaches a rank."""
+    p, rank = keyed
+    *first, bad = _REFUSED_LATER[case]
+    conv = await talk(p.port, *first, bad + head(BODY, KEY) + BODY)
+    answers = await conv.read_for(3)
+    assert [a.status for a in answers] == [400], [a.body[:100] for a in answers]
+    assert json.loads(answers[0].body)["error"]["code"] == "bad_request"
+    assert conv.closed
+    assert rank.forwarded() == []
+
+
+async def test_a_body_refused_after_its_request_was_answered_leaves_that_answer(
+    keyed, talk, caplog
+) -> None:
+    """Answered before its body came (a 401 here), the request's body is
+    read on a moment and dropped; refused by the parser meanwhile, it logs
+    no error (no unhandled exception of aiohttp's lingering read)."""
+    p, _ = keyed
+    caplog.set_level(logging.WARNING)
+    no_key = _HEAD.replace(KEY.encode() + b"\r\n", b"")
+    conv = await talk(p.port, no_key + _CHUNK, b"zz\r\n")
+    answers = await conv.read_for(3)
+    assert [a.status for a in answers] == [401]
+    assert conv.closed
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 # -- upgrade requests ------------------------------------------------------------
