@@ -248,12 +248,14 @@ def text_of(choice: dict[str, Any]) -> str:
 
 
 def _budget(body: dict[str, Any], prompt: list[int], chat: bool) -> int:
-    """vLLM 0.32's: 16 when completions leave ``max_tokens`` out; the rest
-    of the context window when it is null, or chat has none."""
-    for key in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
-        if body.get(key) is not None:
-            return int(body[key])
-    return 16 if not chat and "max_tokens" not in body else MAX_MODEL_LEN - len(prompt)
+    """vLLM 0.32's ``get_max_tokens``: chat's ``max_completion_tokens``, else
+    its ``max_tokens``, none the rest of the context window; completions'
+    ``max_tokens``, 16 when left out or null (``CompletionRequest``'s
+    ``normalize_null_max_tokens``); never more than the window has left."""
+    window = MAX_MODEL_LEN - len(prompt)
+    keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    asked = next((body[k] for k in keys if body.get(k) is not None), None if chat else 16)
+    return window if asked is None else min(int(asked), window)
 
 
 @dataclass

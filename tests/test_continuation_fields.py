@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from proxy.continuation import Book, refusal
+from proxy.continuation import Book, SpliceFailed, refusal
 from proxy.continuation.fields import FIELDS, as_bool, readme_matrix
 from proxy.state import METRICS
 from tests.conftest import settings_for
@@ -130,6 +130,26 @@ async def test_chat_without_a_budget_gets_the_rest_of_the_window() -> None:
     assert not completions.needs_context_window()
     _, cont = await completions.continuation(_decode)
     assert cont["max_tokens"] == 16 - 5  # vLLM's default
+
+
+async def test_a_completions_max_tokens_of_null_is_vllms_16() -> None:
+    # vLLM 0.32's CompletionRequest reads a null max_tokens as its default
+    # (normalize_null_max_tokens): 16, not the rest of the window.
+    body = {"model": "m", "prompt": "x", "temperature": 0, "max_tokens": None}
+    book = _book("completion", body, 5)
+    assert not book.needs_context_window()
+    _, cont = await book.continuation(_decode, max_model_len=100)
+    assert cont["max_tokens"] == 16 - 5
+
+
+async def test_chat_without_a_budget_or_a_known_window_is_not_cut_at_16() -> None:
+    # The continuation is a completions request, which reads a missing or
+    # null max_tokens as 16: sent so, the answer would end early with
+    # finish_reason "length".
+    book = _book("chat", {"model": "m", "messages": [], "temperature": 0}, 5)
+    with pytest.raises(SpliceFailed) as e:
+        await book.continuation(_decode, max_model_len=None)
+    assert e.value.code == "context_window_unknown"
 
 
 async def test_chat_without_max_tokens_is_continued_to_its_full_length(fakes, proxy, http) -> None:

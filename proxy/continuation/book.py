@@ -302,13 +302,31 @@ class Book:
     def _limit(self) -> int | None:
         """The token budget as vLLM 0.32 reads it: chat's
         ``max_completion_tokens`` first (completions ignore it); none (the
-        rest of the context window) for chat without one and for a
-        completions ``max_tokens`` of null; 16 when completions omit it."""
+        rest of the context window) for chat without one; 16 for completions
+        without one, null included (``CompletionRequest``'s
+        ``normalize_null_max_tokens``)."""
         keys = ("max_completion_tokens", "max_tokens") if self.kind == CHAT else ("max_tokens",)
         for key in keys:
             if self.body.get(key) is not None:
                 return as_int(self.body[key], 16)
-        return 16 if self.kind == COMPLETION and "max_tokens" not in self.body else None
+        return 16 if self.kind == COMPLETION else None
+
+    def _budget(self, max_model_len: int | None) -> int:
+        """The answer's whole token budget, the context window's rest where
+        the request has none."""
+        limit = self._limit()
+        if limit is not None:
+            return limit
+        if max_model_len is None:
+            # The continuation is a completions request: without a budget
+            # it would stop at 16 tokens, and one past the window is refused.
+            raise SpliceFailed(
+                "context_window_unknown",
+                "the request has no token budget and the model's context window "
+                "could not be learnt (a rank's /v1/models)",
+            )
+        assert self.prompt_ids is not None
+        return max_model_len - len(self.prompt_ids)
 
     async def continuation(
         self, decode: Decode, max_model_len: int | None = None
@@ -326,6 +344,7 @@ class Book:
             body.update(stream=True, return_token_ids=True)
             return self._path(), body
         assert self.prompt_ids is not None
+        limit = self._budget(max_model_len)
         await self._rollback(decode)
         body = carried(self.body)
         body.update(prompt=self.prompt_ids + self.generated, stream=True,
@@ -339,17 +358,9 @@ class Book:
             body["include_stop_str_in_output"] = True
         elif "include_stop_str_in_output" in self.body:
             body["include_stop_str_in_output"] = as_bool(self.body["include_stop_str_in_output"])
-        limit = self._limit()
-        if limit is None and max_model_len is not None:
-            limit = max_model_len - len(self.prompt_ids)
-        if limit is not None:
-            if limit <= len(self.generated):
-                return None
-            body["max_tokens"] = limit - len(self.generated)
-        else:
-            # The window is not known: null is the rest of it, as in the
-            # original request (left out, it would be completions' 16).
-            body["max_tokens"] = None
+        if limit <= len(self.generated):
+            return None
+        body["max_tokens"] = limit - len(self.generated)
         if self.body.get("min_tokens") is not None:
             body["min_tokens"] = max(as_int(self.body["min_tokens"], 0) - len(self.generated), 0)
         return "/v1/completions", body

@@ -180,9 +180,10 @@ FIELDS: dict[str, Field] = {
                                        "truncating again would cut the generated text"),
     "truncation_side": _f(DROP, "only with truncate_prompt_tokens (dropped)"),
     # -- budgets ---------------------------------------------------------------
-    "max_tokens": _f(ADJUST, "reduced by the ids generated; without one (chat, or null in "
-                             "completions) the rest of the context window, stated explicitly "
-                             "(null when not known); completions that leave it out: 16"),
+    "max_tokens": _f(ADJUST, "reduced by the ids generated; chat without one: the rest of the "
+                             "context window, stated explicitly (where no rank's /v1/models "
+                             "says it: `context_window_unknown`, a whole answer starts over); "
+                             "completions without one, or null: 16, as in vLLM 0.32"),
     "max_completion_tokens": _f(ADJUST, "as max_tokens", CHAT_ONLY),
     "min_tokens": _f(ADJUST, "reduced by the ids generated; a stop string the proxy matches "
                              "across the splice counts only past it, as in vLLM"),
