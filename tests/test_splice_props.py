@@ -235,3 +235,15 @@ def test_a_budget_of_null_is_vllms_default() -> None:
         for window in (True, False):
             for whole in (False, True):
                 check({**r, "kind": kind, "window": window}, [1], [Fault(after=10)], whole, True)
+
+
+def test_text_held_for_a_stop_string_is_not_taken_for_a_special_token() -> None:
+    # "st" is held back for "a b a", then EOS (ignored, its text skipped)
+    # comes, then the connection is lost: the ids say "st<|endoftext|>"
+    # where the client has nothing. "st" is held text, the client's, not a
+    # special token's: the continuation must still send it.
+    r = {"kind": "completion", "max_tokens": None, "ids": None, "stop": ["a b a"],
+         "include_stop": False, "skip_special": None, "prompt": "aabca",
+         "ignore_eos": True}  # fmt: skip
+    for greedy in (False, True):
+        check(r, [1], [Fault(after=2, kind="drop")], False, greedy)

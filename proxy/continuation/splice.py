@@ -172,7 +172,10 @@ async def _specials(
     others: the ids it showed alone with no text that decode alone to whole
     text; then, while the ids' text says more than the stream's (``said``)
     where they part, the token whose text begins there (vLLM merges a
-    special token into a chunk with others, whose text is theirs only)."""
+    special token into a chunk with others, whose text is theirs only).
+    Past the end of ``said`` the first such token's text may be text vLLM
+    held back for a stop string, the client's: only a token whose text is
+    longer than that (``held_max``) is taken for special there."""
     specials: set[int] = set()
     for t in sorted(suspects & set(generated)):
         alone = await decode([t])
@@ -187,13 +190,44 @@ async def _specials(
         i = _parting(full, said)
         if i == len(full) or (i == len(said) and len(full) - i <= held_max):
             break  # they agree; past ``said``, text vLLM held back
-        t = generated[await _reaching(ctx, base, generated, specials, i, decode)]
-        alone = await decode([t])
-        if t in specials or not alone or REPLACEMENT in alone or not full.startswith(alone, i):
+        first = await _reaching(ctx, base, generated, specials, i, decode)
+        tail = held_max if i == len(said) else 0
+        special = await _special_from(ctx, base, generated, first, specials, full, i, tail, decode)
+        if special is None:
             break
-        specials.add(t)
+        specials.add(special)
         whole = None
     return specials, whole
+
+
+async def _special_from(
+    ctx: list[int],
+    base: str,
+    ids: list[int],
+    first: int,
+    specials: set[int],
+    full: str,
+    i: int,
+    held: int,
+    decode: Decode,
+) -> int | None:
+    """The token, from ``ids[first]`` on, whose text starts where the ids'
+    text ``full`` has more than the stream's (at ``i``, or after ``held``
+    characters of held-back text before it), and is longer than ``held``:
+    text that ``held`` held-back characters cannot be."""
+    at = i
+    for t in ids[first:]:
+        if t in specials:
+            continue
+        alone = await decode([t])
+        if not alone or REPLACEMENT in alone or not full.startswith(alone, at):
+            return None
+        if len(alone) > held:
+            return t
+        at += len(alone)
+        if at - i > held:
+            return None
+    return None
 
 
 def _parting(a: str, b: str) -> int:
