@@ -155,7 +155,7 @@ class EngineRank:
                 got.append(ev)
         if req.faulted:
             self._fault()
-        return web.json_response(whole_answer(request.path, req.body, got, req.faulted))
+        return web.json_response(whole_answer(req, got, req.faulted))
 
     async def _pause(self) -> None:
         self._fault()

@@ -35,7 +35,19 @@ under ``vllm/`` of the installed package):
   choice) and ``chat_completion_full_generator`` (on the answer);
 * the usage chunk (``stream_options.include_usage``): after the last
   choice chunk, an abort's included, before ``[DONE]``, counting the ids
-  sent;
+  sent; with ``continuous_usage_stats`` every chunk's usage too, the chat
+  role chunk's included (``should_include_usage``), chat's naming
+  ``completion_tokens_details`` (null: set, so ``exclude_unset`` keeps it);
+* budgets as ``get_max_tokens`` reads them: completions 16 when
+  ``max_tokens`` is left out or null (``normalize_null_max_tokens``), chat
+  the rest of the window, never more than the window has left;
+* ``n`` > 1: a role chunk per choice first (chat), the choices' chunks
+  under their ``index`` as their steps come, one usage chunk counting all;
+* the completions ``echo``: the prompt's text (none with
+  ``return_token_ids``: vLLM leaves it out then) before the first output,
+  also when that is an abort; chat's echoes the last message when it is
+  the assistant's; ``logprobs`` in each endpoint's shape;
+* a completions prompt of token ids, or a list of one prompt;
 * ``min_tokens``: the stop token ids and EOS are masked before it, and a stop
   string is looked for only in text of tokens past it (with the stop
   string's length less one characters before them), as vLLM 0.32's
@@ -180,6 +192,7 @@ class Request:
     body: dict[str, Any]
     prompt: list[int]
     sent: list[int] = field(default_factory=list)
+    by_choice: dict[int, list[int]] = field(default_factory=dict)  # ``sent`` per choice
     faulted: bool = False
     fired: list[str] = field(default_factory=list)  # the faults it met, in words
 
@@ -203,7 +216,11 @@ class Engine:
         req = Request(path, body, prompt_of(path, body))
         self.seen.append(req)
         rng = None if is_greedy(body) else self.rng
-        return _Run(self, body, req, chat, fault, rng).events()
+        n = _n(body)
+        # n > 1: each choice samples on its own (one rng stays as it was)
+        rngs = [rng] if n == 1 or rng is None else [random.Random(rng.random()) for _ in range(n)]
+        runs = [_Run(self, body, req, chat, fault, rngs[i % len(rngs)], index=i) for i in range(n)]
+        return _drive(runs)
 
     def replay(self, path: str, body: dict[str, Any], ids: list[int]) -> Replayed:
         """What a fault-free run of ``body`` says if it generates ``ids``:
@@ -234,9 +251,49 @@ class Replayed:
 def prompt_of(path: str, body: dict[str, Any]) -> list[int]:
     if path.endswith("chat/completions"):
         return chat_prompt(body["messages"])
-    if isinstance(body["prompt"], list):
-        return list(body["prompt"])
-    return tokenize(body["prompt"])
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a list of one prompt is that prompt
+    if isinstance(prompt, list):
+        return list(prompt)
+    return tokenize(prompt)
+
+
+def prompt_text(path: str, body: dict[str, Any]) -> str:
+    """The prompt's text as the completions echo gives it."""
+    if path.endswith("chat/completions"):
+        return ""
+    return detokenize(prompt_of(path, body))
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    return n if isinstance(n, int) and n > 1 else 1
+
+
+def _drive(runs: list[_Run]) -> Iterator[Any]:
+    """vLLM's stream generators over the n choices of one request: chat's
+    role chunks first (one per choice, then chat's echo), each choice's
+    chunks as its steps come, one usage chunk, ``[DONE]``. The fault hits
+    every choice at the same step (the engine aborts all its requests)."""
+    first = runs[0]
+    if first.chat:
+        yield from (r.role() for r in runs)
+        yield from (c for r in runs if (c := r.chat_echo()) is not None)
+    live = [r.events() for r in runs]
+    lead = live[0]
+    while live:
+        for it in list(live):
+            ev = next(it, None)
+            if ev is None:
+                live.remove(it)
+            elif ev == DROP:
+                yield DROP
+                return
+            elif ev != PAUSE or it is lead:  # one stall for all the choices
+                yield ev
+    yield from first.usage()
+    yield DONE
 
 
 def text_of(choice: dict[str, Any]) -> str:
@@ -271,6 +328,8 @@ class _Run:
     sent: int = 0  # of it, sent (the rest is held for stop strings)
     count: int = 0  # output tokens so far
     first: bool = True  # no choice chunk sent yet
+    index: int = 0  # of the n choices
+    ids_sent: int = 0  # output ids sent (continuous usage counts them)
 
     @property
     def prompt(self) -> list[int]:
@@ -300,8 +359,6 @@ class _Run:
         # a character, echoes the prompt's text into the first output text.
         tail = b"".join(TOKENS[i] for i in self.prompt if i not in SPECIAL)
         echo = detokenize(self.prompt) if tail.decode(errors="replace").endswith("\ufffd") else ""
-        if self.chat:
-            yield self._role()
         i, step, fault = 0, 0, self.fault
         while i < len(out):
             size = self.engine.chunking[step % len(self.engine.chunking)]
@@ -316,7 +373,6 @@ class _Run:
                     text, echo = (echo + text, "") if echo and text else (text, echo)
                     yield self._chunk(text, finish, ids[:used], stop)
                     if finish is not None:
-                        yield from self._end()
                         return
                     i = at
                 if fault.kind == "resume":
@@ -342,8 +398,6 @@ class _Run:
             self.req.faulted = True
             self.req.fired.append("connection lost after the last token")
             yield DROP
-            return
-        yield from self._end()
 
     def _abort(self, dec: Any, out: list[int], i: int, carry: int) -> Iterator[Any]:
         """The abort, merged with the outputs of ``carry`` steps not yet sent."""
@@ -351,29 +405,73 @@ class _Run:
         text, finish, stop, used = self._add(dec, carried, last=False)
         if finish is not None:  # a carried step finished the request before the fault
             yield self._chunk(text, finish, carried[:used], stop)
-            yield from self._end()
             return
         # Finished: the detokenizer's stop buffer is flushed.
         text, self.sent = text + self.released[self.sent :], len(self.released)
         if i + len(carried) == len(out) - 1:
             self.req.fired.append("abort before the budget's last token")
-        if text or self.count:
+        # The completions echo is sent whatever the output (vLLM's echo
+        # branch has no "chunked prefill" skip).
+        if text or self.count or (self.first and self._echo()):
             self.req.fired.append(f"abort carrying {len(carried)} ids" + (" first" * self.first))
             yield self._chunk(text, "abort", carried)
         else:
             self.req.fired.append("abort before the first token (a bare [DONE])")
-        yield from self._end()
 
-    def _end(self) -> Iterator[Any]:
-        opts = self.body.get("stream_options")
-        if isinstance(opts, dict) and _lax_bool(opts.get("include_usage")):
+    def usage(self) -> Iterator[dict[str, Any]]:
+        """The usage chunk (``stream_options.include_usage``): every choice's
+        ids sent; ``exclude_none``, so only the three counts."""
+        if self._usage_opts()[0]:
             n, p = len(self.req.sent), len(self.prompt)
             yield {
                 **self._head(),
                 "choices": [],
                 "usage": {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n},
             }
-        yield DONE
+
+    def _usage_opts(self) -> tuple[bool, bool]:
+        """vLLM's ``should_include_usage``: (the usage chunk, usage in every chunk)."""
+        opts = self.body.get("stream_options")
+        if not isinstance(opts, dict):
+            return False, False
+        usage = _lax_bool(opts.get("include_usage"))
+        return usage, usage and _lax_bool(opts.get("continuous_usage_stats"))
+
+    def _running_usage(self, completion: int) -> dict[str, Any]:
+        """A chunk's usage with ``continuous_usage_stats``: chat's names
+        ``completion_tokens_details`` (null), completions' does not."""
+        p = len(self.prompt)
+        usage: dict[str, Any] = {
+            "prompt_tokens": p,
+            "total_tokens": p + completion,
+            "completion_tokens": completion,
+        }
+        if self.chat:
+            usage["completion_tokens_details"] = None
+        return usage
+
+    def _echo(self) -> bool:
+        return not self.chat and _lax_bool(self.body.get("echo"))
+
+    def chat_echo(self) -> dict[str, Any] | None:
+        """Chat's echo: the last message's content when it is the
+        assistant's, in a chunk of its own after the role chunks."""
+        messages = self.body.get("messages") or []
+        last = messages[-1] if messages else {}
+        if not (self.chat and _lax_bool(self.body.get("echo")) and last.get("role") == "assistant"):
+            return None
+        if not last.get("content"):
+            return None
+        choice = {
+            "index": self.index,
+            "delta": {"content": last["content"]},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        chunk: dict[str, Any] = {**self._head(), "choices": [choice]}
+        if self._usage_opts()[1]:
+            chunk["usage"] = self._running_usage(0)
+        return chunk
 
     def _add(
         self, dec: Any, ids: list[int], last: bool
@@ -436,20 +534,23 @@ class _Run:
             "model": "m",
         }
 
-    def _role(self) -> dict[str, Any]:
+    def role(self) -> dict[str, Any]:
         """The first chat chunk: the role, and the prompt ids on the chunk."""
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
-        return {
+        chunk = {
             **self._head(),
             "choices": [choice],
             "prompt_token_ids": self.prompt if self._want() else None,
             "prompt_text": None,
         }
+        if self._usage_opts()[1]:
+            chunk["usage"] = self._running_usage(0)
+        return chunk
 
     def _chunk(
         self, text: str, finish: str | None, ids: list[int], stop: str | int | None = None
@@ -458,80 +559,94 @@ class _Run:
         ``stop_reason`` unset, so out, until the finish)."""
         want = self._want()
         self.req.sent += ids
-        choice: dict[str, Any] = {"index": 0}
+        self.req.by_choice.setdefault(self.index, []).extend(ids)
+        self.ids_sent += len(ids)
+        shown = list(ids)
+        if self._echo() and self.first:
+            # vLLM's echo: the prompt's text (none when token ids are asked
+            # for: ``prompt_token_ids`` say it) before the first output; its
+            # logprobs cover the prompt too, its token_ids do not.
+            text = ("" if want else prompt_text(self.req.path, self.body)) + text
+            shown = self.prompt + shown
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = {"content": text}
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=self._logprobs(shown), finish_reason=finish)
         if not self.chat or finish is not None:
             choice["stop_reason"] = stop
         if not self.chat:
             choice["prompt_token_ids"] = self.prompt if want and self.first else None
         choice["token_ids"] = ids if want else None
         self.first = False
-        return {**self._head(), "choices": [choice]}
+        chunk = {**self._head(), "choices": [choice]}
+        if self._usage_opts()[1]:
+            chunk["usage"] = self._running_usage(self.ids_sent)
+        return chunk
+
+    def _logprobs(self, ids: list[int]) -> dict[str, Any] | None:
+        """Logprobs in vLLM's shapes (completions: an int asks; chat: true),
+        the same made-up value for every token: only their shape is relayed."""
+        tokens = [TOKENS[t].decode(errors="replace") for t in ids]
+        if self.chat:
+            if not _lax_bool(self.body.get("logprobs")):
+                return None
+            content = [
+                {"token": t, "logprob": -0.5, "bytes": list(t.encode()), "top_logprobs": []}
+                for t in tokens
+            ]
+            return {"content": content}
+        if self.body.get("logprobs") is None:
+            return None
+        return {
+            "text_offset": [0] * len(ids),
+            "token_logprobs": [-0.5] * len(ids),
+            "tokens": tokens,
+            "top_logprobs": [{t: -0.5} for t in tokens],
+        }
 
 
-def whole_answer(
-    path: str, body: dict[str, Any], events: list[Any], aborted: bool = False
-) -> dict[str, Any]:
+def whole_answer(req: Request, events: list[Any], aborted: bool = False) -> dict[str, Any]:
     """The answer vLLM 0.32 gives ``stream: false`` (``model_dump`` of its
-    ``CompletionResponse`` / ``ChatCompletionResponse``): the same output,
-    finished, whole. Its output is final only, so an abort before the first
-    token (which a stream skips) is an answer too."""
+    ``CompletionResponse`` / ``ChatCompletionResponse``) to ``req``: the
+    same output (``events``), finished, whole, one choice per index. Its
+    output is final only, so an abort before the first token (which a
+    stream skips) is an answer too."""
+    path, body = req.path, req.body
     chat = path.endswith("chat/completions")
-    text, ids, finish, stop = "", [], None, None
+    got: dict[int, dict[str, Any]] = {}
     for ev in events:
         for c in ev.get("choices") or [] if isinstance(ev, dict) else []:
-            text += text_of(c)
-            ids += c.get("token_ids") or []
-            finish, stop = c.get("finish_reason") or finish, c.get("stop_reason", stop)
-    finish = finish or ("abort" if aborted else None)
+            if "role" in (c.get("delta") or {}):
+                continue
+            one = got.setdefault(c["index"], _empty_choice())
+            one["text"] += text_of(c)
+            one["finish"] = c.get("finish_reason") or one["finish"]
+            one["stop"] = c.get("stop_reason", one["stop"])
+            one["logprobs"] = _merged_logprobs(one["logprobs"], c.get("logprobs"))
+    for i in range(_n(body)):
+        got.setdefault(i, _empty_choice())["ids"] = req.by_choice.get(i, [])
     prompt = prompt_of(path, body)
     want = _lax_bool(body.get("return_token_ids"))
+    n_ids = sum(len(c["ids"]) for c in got.values())
     usage = {
         "prompt_tokens": len(prompt),
-        "total_tokens": len(prompt) + len(ids),
-        "completion_tokens": len(ids),
+        "total_tokens": len(prompt) + n_ids,
+        "completion_tokens": n_ids,
         "prompt_tokens_details": None,
         "completion_tokens_details": None,
     }
-    choice: dict[str, Any] = {"index": 0}
-    if chat:
-        choice["message"] = {
-            "role": "assistant",
-            "content": text,
-            "refusal": None,
-            "annotations": None,
-            "audio": None,
-            "function_call": None,
-            "reasoning": None,
-        }
-        choice.update(
-            logprobs=None,
-            finish_reason=finish or "stop",
-            stop_reason=stop,
-            token_ids=ids if want else None,
-            routed_experts=None,
-        )
-    else:
-        choice.update(
-            text=text,
-            logprobs=None,
-            finish_reason=finish,
-            stop_reason=stop,
-            token_ids=ids if want else None,
-            prompt_logprobs=None,
-            prompt_token_ids=prompt if want else None,
-            routed_experts=None,
-        )
+    choices = [
+        _whole_choice(chat, i, c, c["finish"] or ("abort" if aborted else None), prompt, want)
+        for i, c in sorted(got.items())
+    ]
     answer: dict[str, Any] = {
         "id": "chatcmpl-1" if chat else "cmpl-1",
         "object": "chat.completion" if chat else "text_completion",
         "created": 1,
         "model": "m",
-        "choices": [choice],
+        "choices": choices,
         "service_tier": None,
         "system_fingerprint": None,
         "usage": usage,
@@ -542,6 +657,54 @@ def whole_answer(
         )
     answer.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
     return answer
+
+
+def _empty_choice() -> dict[str, Any]:
+    return {"text": "", "ids": [], "finish": None, "stop": None, "logprobs": None}
+
+
+def _whole_choice(
+    chat: bool, i: int, c: dict[str, Any], finish: str | None, prompt: list[int], want: bool
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": i}
+    if chat:
+        choice["message"] = {
+            "role": "assistant",
+            "content": c["text"],
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
+        }
+        choice.update(
+            logprobs=c["logprobs"],
+            finish_reason=finish or "stop",
+            stop_reason=c["stop"],
+            token_ids=c["ids"] if want else None,
+            routed_experts=None,
+        )
+    else:
+        choice.update(
+            text=c["text"],
+            logprobs=c["logprobs"],
+            finish_reason=finish,
+            stop_reason=c["stop"],
+            token_ids=c["ids"] if want else None,
+            prompt_logprobs=None,
+            prompt_token_ids=prompt if want else None,
+            routed_experts=None,
+        )
+    return choice
+
+
+def _merged_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A whole answer's logprobs: every chunk's, in order."""
+    if b is None:
+        return a
+    if a is None:
+        return {k: list(v) for k, v in b.items()}
+    return {k: a[k] + b[k] for k in a}
 
 
 def split_character(said: list[int], ids: list[int], text: str, skip_special: bool) -> bool:
