@@ -288,6 +288,17 @@ def test_reasoning_after_the_first_chunk_is_refused_mid_way() -> None:
     assert book.generated == [7, 5, 8, 2]
 
 
+def test_each_of_n_chat_choices_keeps_its_role() -> None:
+    # vLLM sends a role chunk for each of the n choices, under its index:
+    # only a restart's role chunk for a choice the client has is repeated.
+    book = Book.for_request("chat", {"model": "m", "messages": [], "n": 2})
+    for index in range(2):
+        chunk = _chat_chunk({"role": "assistant", "content": ""}, [], prompt_token_ids=[9])
+        chunk["choices"][0]["index"] = index
+        emit = book.on_original(chunk)
+        assert orjson.loads(emit.data[0])["choices"][0]["delta"]["role"] == "assistant"
+
+
 def test_a_batch_of_prompts_ends_when_every_prompt_has() -> None:
     # vLLM streams each prompt of a batch as its own choice (index = prompt
     # * n + choice): the stream is over only when all of them are, so a

@@ -92,7 +92,7 @@ class Book:
     finished_choices: set[int] = field(default_factory=set)
     spliced: bool = False
     usage_sent: bool = False
-    role_sent: bool = False
+    roles_sent: set[int] = field(default_factory=set)  # the choices whose role chunk went out
     prompt_shown: bool = False  # a chunk with the prompt ids went to the client
     pending: str = ""  # text held back while a stop string could still match
     # Text the client has before ``pending``, and how many characters of
@@ -211,9 +211,11 @@ class Book:
         if delta.get("content"):
             self.answering = True
         if self.kind == CHAT and "role" in (choice.get("delta") or {}):
-            if self.role_sent:  # restart: the client already has the role
+            # vLLM sends one for each of the n choices, under its index.
+            index = choice.get("index") if isinstance(choice.get("index"), int) else 0
+            if index in self.roles_sent:  # restart: the client already has the role
                 choice["delta"].pop("role")
-            self.role_sent = True
+            self.roles_sent.add(index)
         if choice.get("finish_reason") == "abort":
             # Its text is what vLLM held back for a possible stop match: it is
             # checked with the continuation's. Its ids are the client's now.
