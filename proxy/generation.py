@@ -46,9 +46,10 @@ async def forward(
     relay: Relay, reply: Reply, out: Outbound, kind: str, body: dict[str, Any]
 ) -> None:
     book = Book.for_request(kind, body)
-    if (rec := accesslog.current()) is not None:
-        rec.tokens = partial(_tokens, book)
-    if not as_bool(body.get("return_token_ids")):
+    asked = as_bool(body.get("return_token_ids"))
+    if (rec := accesslog.current()) is not None and (asked or not _echoes(kind, body)):
+        rec.tokens = partial(_tokens, book)  # else no ids to count
+    if not asked and not _echoes(kind, body):
         # The last of duplicate keys wins in JSON parsers (vLLM's included),
         # so appending is enough, and cheaper than re-serializing the body.
         raw = out.body.rstrip()
@@ -57,6 +58,14 @@ async def forward(
         )
     respond = _stream if as_bool(body.get("stream")) else _whole
     await relay.forward(reply, out, partial(respond, relay, out, book, refusal(body)))
+
+
+def _echoes(kind: str, body: dict[str, Any]) -> bool:
+    """A completions echo: with token ids asked for, vLLM 0.32 leaves the
+    echoed prompt's text out (its ids say it). Asked for the proxy's sake,
+    the client would lose it; an echo is not continued after an abort
+    (``echo`` is refused), so the ids are not needed."""
+    return kind == COMPLETION and as_bool(body.get("echo"))
 
 
 async def _stream(

@@ -22,6 +22,7 @@ faults that fired are counted: each kind must have.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -45,6 +46,7 @@ from tests.fake_engine import (
     is_greedy,
     prompt_of,
     split_character,
+    whole_answer,
 )
 
 SEED = 21
@@ -248,6 +250,20 @@ def _all(faults: list[Fault | None]) -> list[Fault]:
             out.append(f)
             f = f.then
     return out
+
+
+def direct(case: Case, seed: str, fault: Fault | None = None) -> Any:
+    """What vLLM itself sends for the client's own request (the same random
+    draws) meeting ``fault`` where nothing is continued: engine-side resume,
+    an abort that came once the answer was done (steps merge meanwhile), a
+    connection lost after the answer (it then gets it all): the stream's
+    data events, or the whole answer."""
+    engine = Engine(chunking=case.chunking, rng=random.Random(seed))
+    fault = copy.deepcopy(fault) if fault is not None and fault.kind != "after_done" else None
+    events = [e for e in engine.stream(case.path, case.body, fault) if isinstance(e, dict)]
+    if case.whole:
+        return whole_answer(engine.seen[-1], events)
+    return json.loads(json.dumps(events))
 
 
 def judge(case: Case, ref: View, got: View, seen: list[Request], engine: Engine) -> list[str]:
@@ -459,3 +475,28 @@ async def test_a_whole_answer_whose_splice_cannot_be_exact_starts_over(rig: Rig)
     got = await ask(rig.http, rig.url, case)
     assert got.status == 200 and got.ids == out and got.finishes == ["length"]
     assert [r.prompt for r in rig.engine.seen] == [prompt_of(case.path, case.body)] * 3
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("prompt", ["ab", [1, 2]])
+async def test_an_echo_keeps_the_prompt_text(rig: Rig, stream: bool, prompt: Any) -> None:
+    # vLLM leaves the echoed prompt's text out when token ids are asked for
+    # (their prompt_token_ids say it): asked for the client's sake, its echo
+    # would come without the prompt.
+    body = {"model": "m", "prompt": prompt, "echo": True, "stream": stream, "max_tokens": 4}
+    case = Case(0, "/v1/completions", body, [1], [])
+    rig.engine.rng = random.Random("echo")
+    got = await ask(rig.http, rig.url, case)
+    assert got.text.startswith("ab") and got.raw == direct(case, "echo")
+
+
+async def test_an_echo_whose_usage_is_lost_gets_no_made_up_one(rig: Rig) -> None:
+    # Without token ids (an echo's, not asked for) the proxy has nothing to
+    # count: it sends no usage chunk rather than one of zeros.
+    opts = {"include_usage": True}
+    body = {"model": "m", "prompt": "ab", "echo": True, "stream": True, "max_tokens": 4}
+    body["stream_options"] = opts
+    case = Case(0, "/v1/completions", body, [1], [Fault(0, "after_done")])
+    rig.engine.rng, rig.faults.todo = random.Random("echo"), list(case.faults)
+    got = await ask(rig.http, rig.url, case)
+    assert got.usage == [] and got.raw == direct(case, "echo")[:-1]

@@ -602,8 +602,11 @@ class Book:
             out.append(self._client_chunk(self.pending, [], None, None, {}))
             self.pending = ""
         # Its own: after a splice, or when the connection was lost between
-        # the answer's end and vLLM's usage chunk.
-        counted = self.spliced or (self.finish_reason is not None and self.prompts == 1)
+        # the answer's end and vLLM's usage chunk (not without the ids to
+        # count: an echo's, not asked for).
+        counted = self.spliced or (
+            self.finish_reason is not None and self.prompts == 1 and self.prompt_ids is not None
+        )
         if counted and self.wants_usage and not self.usage_sent:
             chunk = _base(self.template, self.kind)
             chunk["choices"] = []
