@@ -329,3 +329,20 @@ async def test_usage_in_every_chunk_goes_on_after_the_splice() -> None:
     await plain.continuation(_decode)
     emit = plain.on_continuation({"choices": [{"text": "b ", "token_ids": [6]}]})
     assert "usage" not in orjson.loads(emit.data[0])
+
+
+async def test_usage_in_every_chunk_keeps_its_fields_after_the_splice() -> None:
+    # vLLM's chat chunks name completion_tokens_details (null without a
+    # reasoning parser) in their usage: the proxy's own chunks do too.
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": "m", "messages": [], "max_tokens": 20, "temperature": 0, "stream": True}
+    book = Book.for_request("chat", {**body, "stream_options": opts})
+    counts = {"prompt_tokens": 1, "total_tokens": 1, "completion_tokens": 0}
+    usage = {**counts, "completion_tokens_details": None}
+    role = _chat_chunk({"role": "assistant", "content": ""}, [])
+    book.on_original({**role, "prompt_token_ids": [9], "usage": usage})
+    book.on_original(_chat_chunk({"content": "a "}, [1]))
+    await book.continuation(_decode)
+    emit = book.on_continuation({"choices": [{"text": "b ", "token_ids": [6]}]})
+    counts = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    assert orjson.loads(emit.data[0])["usage"] == {**counts, "completion_tokens_details": None}

@@ -577,8 +577,18 @@ class Book:
             choice["prompt_token_ids"] = self._prompt_once()
         chunk["choices"] = [choice]
         if self.continuous:
-            chunk["usage"] = self._usage()
+            chunk["usage"] = {**self._usage(), **self._usage_fields()}
         return _dumps(chunk)
+
+    def _usage_fields(self) -> dict[str, Any]:
+        """A chunk's usage fields beyond the counts, as the rank's first
+        chunk has them (chat's ``completion_tokens_details``: null without a
+        reasoning parser; the answer after a splice adds no reasoning)."""
+        usage = (self.template or {}).get("usage")
+        if not isinstance(usage, dict):
+            return {}
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        return {k: v for k, v in usage.items() if k not in counts}
 
     def _prompt_once(self) -> list[int] | None:
         """The prompt ids for the client's first completions chunk that has
