@@ -8,6 +8,16 @@ faults hitting its upstream requests in turn (abort chunks carrying 0-3
 tokens, before the first token, mid-stream, at the very end, a drop of the
 connection, a drop after the last token, engine-side resume, a second and
 third fault during the continuations), with 1-3 tokens merged per chunk.
+Beyond those, what clients send: n > 1, echo, logprobs, tools and response
+formats (refused after an abort, as the README says), usage switched off
+or in every chunk, budgets of one token or ending at the fault, prompts of
+token ids or a list of one, engine-side resume with an abort at once after.
+
+Without a fault the proxy is transparent: the client gets exactly what the
+rank would send it (the fake engine run on the client's own request, the
+same random draws), field by field; so does a faulted answer that needed
+no splice (engine-side resume, an abort after the answer's end, a
+connection lost after it).
 
 The faulted answer must be one the fault-free run could have given: greedy,
 exactly the fault-free one; sampled (the engine draws at random), one
@@ -34,6 +44,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.continuation import refusal
 from proxy.ranks import RankTable
 from proxy.state import TABLE
 from tests.conftest import replicas
@@ -46,11 +57,12 @@ from tests.fake_engine import (
     is_greedy,
     prompt_of,
     split_character,
+    tokenize,
     whole_answer,
 )
 
 SEED = 21
-CASES = int(os.environ.get("FTPROXY_DIFFERENTIAL_CASES", "200"))
+CASES = int(os.environ.get("FTPROXY_DIFFERENTIAL_CASES", "400"))
 # Replay some cases only: FTPROXY_DIFFERENTIAL_ONLY=17,154
 ONLY = [int(n) for n in os.environ.get("FTPROXY_DIFFERENTIAL_ONLY", "").split(",") if n]
 HOLD = {"keepalive_s": 0.02, "stall_s": 5.0, "timeout_s": 5.0}
@@ -83,7 +95,17 @@ class Case:
 
     @property
     def usage(self) -> bool:
-        return "stream_options" in self.body
+        opts = self.body.get("stream_options")
+        return isinstance(opts, dict) and opts.get("include_usage") is True
+
+    @property
+    def continuous(self) -> bool:
+        opts = self.body.get("stream_options") or {}
+        return self.usage and opts.get("continuous_usage_stats") is True
+
+    @property
+    def choices(self) -> int:
+        return int(self.body.get("n") or 1)
 
 
 def draw(n: int) -> Case:
@@ -124,7 +146,49 @@ def draw(n: int) -> Case:
     chunking = [rng.randint(1, 3) for _ in range(rng.randint(1, 3))] if merged else [1]
     faults = [_fault(rng) for _ in range(rng.choice([1, 1, 2, 2, 3]))]
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    return Case(n, path, body, chunking, faults)
+    case = Case(n, path, body, chunking, faults)
+    _widen(case, random.Random(f"{SEED}:{n}:wide"))
+    return case
+
+
+def _widen(case: Case, rng: random.Random) -> None:
+    """What clients send beyond the splice's own dimensions, drawn apart so
+    the cases above stay as they were: n > 1, echo, logprobs, tools and
+    response formats (refused after a fault, relayed as they are without
+    one), usage switched off or in every chunk, budgets of one token or
+    ending at the fault, prompts of token ids or a list of one."""
+    body, chat = case.body, case.chat
+    r = rng.random()
+    if r < 0.06:
+        body["n"] = 2
+    elif r < 0.10:
+        body["echo"] = True
+    elif r < 0.14:
+        body["logprobs"] = True if chat else rng.choice([0, 2])
+    elif r < 0.18 and chat:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        body["tool_choice"] = rng.choice(["auto", "none", "required"])
+    elif r < 0.22:
+        body["response_format"] = {"type": rng.choice(["json_object", "text"])}
+    if not case.whole and rng.random() < 0.4:
+        body["stream_options"] = {
+            "include_usage": rng.random() < 0.7,
+            "continuous_usage_stats": rng.random() < 0.6,
+        }
+    r = rng.random()
+    if r < 0.06:
+        body["max_tokens"] = 1
+    elif r < 0.14:  # the budget ends where the first fault comes, or one after it
+        first = case.faults[0]
+        if first is not None and first.after > 0:
+            body["max_tokens"] = first.after + rng.choice([0, 1])
+            body.pop("min_tokens", None)
+    if not chat and rng.random() < 0.2:
+        text = body["prompt"]
+        body["prompt"] = rng.choice([tokenize(text), [text], [tokenize(text)]])
+    if rng.random() < 0.1:  # engine-side resume, and an abort at once after it
+        twice = Fault(rng.randint(1, 8), "resume", then=Fault(0, carry=rng.randint(0, 2)))
+        case.faults.insert(rng.randrange(len(case.faults) + 1), twice)
 
 
 def _fault(rng: random.Random) -> Fault | None:
@@ -221,8 +285,8 @@ def _stream_shape(view: View, chunks: list[dict[str, Any]], case: Case) -> None:
     if any(c["object"] != kind for c in answers):
         view.problems.append("a chunk of another object")
     roles = [c for c in answers for ch in c["choices"] if "role" in (ch.get("delta") or {})]
-    if case.chat and (len(roles) != 1 or not answers or roles[0] is not answers[0]):
-        view.problems.append(f"{len(roles)} role chunks, not one first")
+    if case.chat and (len(roles) != case.choices or roles != answers[: len(roles)]):
+        view.problems.append(f"{len(roles)} role chunks, not one for each choice first")
     if view.usage and answers and answers[-1].get("usage") != view.usage[-1]:
         view.problems.append("the usage chunk is not the last")
 
@@ -230,6 +294,9 @@ def _stream_shape(view: View, chunks: list[dict[str, Any]], case: Case) -> None:
 def documented(case: Case, got: View, said: list[int]) -> bool:
     """Whether the README says this case may end with this refusal; ``said``:
     the ids the ranks had generated for it when it ended."""
+    field = refusal(case.body)
+    if field is not None:
+        return got.error == field.code  # refused by a field, whole or not, as the README says
     if case.whole or is_greedy(case.body):
         return False  # a whole answer's client has nothing; greedy goes back anywhere
     if got.error == "split_character":
@@ -252,6 +319,11 @@ def _all(faults: list[Fault | None]) -> list[Fault]:
     return out
 
 
+def _uncounted(case: Case) -> bool:
+    """A completions echo without ids: the proxy does not ask for them."""
+    return not case.chat and case.body.get("echo") is True and not case.ids
+
+
 def direct(case: Case, seed: str, fault: Fault | None = None) -> Any:
     """What vLLM itself sends for the client's own request (the same random
     draws) meeting ``fault`` where nothing is continued: engine-side resume,
@@ -266,9 +338,29 @@ def direct(case: Case, seed: str, fault: Fault | None = None) -> Any:
     return json.loads(json.dumps(events))
 
 
-def judge(case: Case, ref: View, got: View, seen: list[Request], engine: Engine) -> list[str]:
+# Faults after which the rank's own answer goes on: nothing to continue.
+NO_SPLICE = {"engine-side resume", "connection lost after the last token"}
+
+
+def judge(
+    case: Case, ref: View, got: View, seen: list[Request], engine: Engine, plain: Any
+) -> list[str]:
+    """What is wrong with ``got``; ``plain``: the rank's fault-free answer
+    for its random draws (:func:`direct`)."""
     bad = list(got.problems)
     prompt = prompt_of(case.path, case.body)
+    fired = {f for r in seen for f in r.fired}
+    untouched = len(seen) == 1 and fired <= NO_SPLICE
+    if _uncounted(case) and "connection lost after the last token" in fired and case.usage:
+        plain = plain[:-1]  # the README: no ids to count, no usage chunk of the proxy's
+    if got.error is None and got.status == 200 and untouched and got.raw != plain:
+        bad.append(f"no splice, yet not the rank's own answer: {_diff(got.raw, plain)}")
+    if refusal(case.body) is not None:
+        if got.error is None and not untouched:
+            bad.append("continued after a fault, although a field rules it out")
+        return bad  # untouched: the rank's own answer (above)
+    if got.error is None and not case.usage and got.usage and not case.whole:
+        bad.append(f"usage {got.usage} the client did not ask for")
     # The sequence the client has: its ids, or (not asked) the one the ranks
     # said: the last request's prompt past the client's, and what it sent.
     last = seen[-1]
@@ -304,6 +396,8 @@ def judge(case: Case, ref: View, got: View, seen: list[Request], engine: Engine)
     want_prompt = [prompt] if case.ids else []
     if got.prompt_ids != want_prompt:
         bad.append(f"prompt ids {got.prompt_ids}, not {want_prompt}")
+    if case.continuous:
+        bad += _running_usage(got, len(prompt))
     if case.usage or case.whole:
         usage = {
             "prompt_tokens": len(prompt),
@@ -321,6 +415,39 @@ def judge(case: Case, ref: View, got: View, seen: list[Request], engine: Engine)
         bad.append(f"greedy: got {got.text!r} {got.ids}, fault-free {ref.text!r} {ref.ids}")
     if case.whole:
         bad += _fields(ref.raw, got.raw, exact=is_greedy(case.body))
+    return bad
+
+
+def _diff(got: Any, want: Any, at: str = "") -> str:
+    """Where ``got`` first differs from ``want``."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        for k in sorted(set(got) | set(want)):
+            if got.get(k, "<missing>") != want.get(k, "<missing>"):
+                return _diff(got.get(k, "<missing>"), want.get(k, "<missing>"), f"{at}.{k}")
+    if isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            if g != w:
+                return _diff(g, w, f"{at}[{i}]")
+    if isinstance(got, list) and isinstance(want, list):
+        return f"{at}: {len(got)} entries, the rank's {len(want)}: {got} / {want}"
+    return f"{at or '.'}: {got!r}, the rank's {want!r}"
+
+
+def _running_usage(got: View, prompt: int) -> list[str]:
+    """``continuous_usage_stats``: every choice chunk's usage counts the
+    prompt and the ids the client has so far, its own included."""
+    bad, ids, keys = [], 0, None
+    for c in got.raw:
+        if "error" in c or not c.get("choices"):
+            continue
+        ids += sum(len(ch.get("token_ids") or []) for ch in c["choices"])
+        u = c.get("usage") or {}
+        if keys is not None and set(u) != keys:
+            bad.append(f"a chunk's usage has {sorted(u)}, the first's {sorted(keys)}")
+        keys = set(u)
+        counted = (u.get("prompt_tokens"), u.get("total_tokens", 0) - u.get("completion_tokens", 0))
+        if counted != (prompt, prompt) or (got.ids is not None and u["completion_tokens"] != ids):
+            bad.append(f"a chunk's usage {u} where the client has {prompt} + {ids} ids")
     return bad
 
 
@@ -373,6 +500,8 @@ class Rig:
         self.engine.chunking, self.faults.todo = case.chunking, []
         self.engine.rng = random.Random(f"{SEED}:{n}:fault-free")
         ref = await ask(self.http, self.url, case)
+        plain = direct(case, f"{SEED}:{n}:fault-free")
+        transparent = [] if ref.raw == plain else [f"fault-free: {_diff(ref.raw, plain)}"]
         await self.settled()
         mark = len(self.engine.seen)
         self.faults.todo = list(case.faults)
@@ -391,7 +520,10 @@ class Rig:
                 self.fired["a completions stream's first chunk the abort, ids asked"] += (
                     case.ids and not (case.chat or case.whole) and what.endswith("first")
                 )
-        return judge(case, ref, got, seen, self.engine)
+        if any(r.fired for r in seen):
+            self.fired.update({k for k, on in _features(case).items() if on})
+        plain = direct(case, f"{SEED}:{n}", case.faults[0] if case.faults else None)
+        return transparent + judge(case, ref, got, seen, self.engine, plain)
 
     async def settled(self) -> None:
         assert await self.table.wait_for(lambda: all(r.routable for r in self.table), 5.0)
@@ -425,6 +557,23 @@ async def test_faulted_answers_are_ones_the_fault_free_run_could_give(rig: Rig) 
         assert not rare, f"faults that fired fewer than 3 times: {rare}; all: {rig.fired}"
 
 
+def _features(case: Case) -> dict[str, bool]:
+    """What a faulted case had beyond the splice's own dimensions."""
+    body = case.body
+    return {
+        "n > 1, faulted": case.choices > 1,
+        "a field refused after an abort (echo, logprobs, tools, ...), faulted": (
+            refusal(body) is not None and case.choices == 1
+        ),
+        "usage in every chunk, faulted": case.continuous,
+        "a prompt of ids or a list of one, faulted": isinstance(body.get("prompt"), list),
+        "a budget of one token, faulted": body.get("max_tokens") == 1,
+        "engine-side resume, then an abort at once": any(
+            f is not None and f.then is not None and f.then.after == 0 for f in case.faults
+        ),
+    }
+
+
 _CARRYING = {f"abort carrying {k}" for k in (1, 2, 3)}
 COVERED = [
     *(f"abort carrying {k} ids" for k in range(4)),
@@ -438,6 +587,7 @@ COVERED = [
     "a whole answer faulted",
     "sampled, ids asked, tokens in the abort",
     "a completions stream's first chunk the abort, ids asked",
+    *_features(Case(0, "", {}, [], [])),
 ]
 
 
