@@ -346,3 +346,18 @@ async def test_usage_in_every_chunk_keeps_its_fields_after_the_splice() -> None:
     emit = book.on_continuation({"choices": [{"text": "b ", "token_ids": [6]}]})
     counts = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
     assert orjson.loads(emit.data[0])["usage"] == {**counts, "completion_tokens_details": None}
+
+
+def test_a_token_a_parser_kept_is_no_chunk_for_a_client_without_ids() -> None:
+    # A reasoning or tool parser keeps some tokens to itself; vLLM then sends
+    # a chunk with an empty delta only where token ids were asked for (the
+    # proxy asks for them): a client that did not ask gets none, as from vLLM.
+    for asked in (False, True):
+        body = {"model": "m", "messages": [], "temperature": 0, "stream": True}
+        book = Book.for_request("chat", {**body, "return_token_ids": asked})
+        role = _chat_chunk({"role": "assistant", "content": ""}, [], prompt_token_ids=[9])
+        book.on_original(role)
+        emit = book.on_original(_chat_chunk({}, [7]))
+        assert len(emit.data) == asked and book.generated == [7]
+        emit = book.on_original(_chat_chunk({}, [8], finish_reason="stop"))
+        assert len(emit.data) == 1 and book.finish_reason == "stop"

@@ -224,7 +224,21 @@ class Book:
         if choice.get("finish_reason"):
             self._choice_finished(choice)
         self.prompt_shown |= bool(prompt)
+        if self._kept_by_parser(choice):
+            return Emit()
         return Emit([self._shown(_dumps(chunk))], finished=self.finish_reason is not None)
+
+    def _kept_by_parser(self, choice: dict[str, Any]) -> bool:
+        """A chat chunk of tokens a reasoning or tool parser kept to itself:
+        vLLM sends one (an empty delta) only where token ids were asked for,
+        which the proxy does for itself, not for a client that did not."""
+        return (
+            self.kind == CHAT
+            and not self.wants_ids
+            and choice.get("delta") == {}
+            and choice.get("finish_reason") is None
+            and choice.get("logprobs") is None
+        )
 
     def _choice_finished(self, choice: dict[str, Any]) -> None:
         """With ``n`` > 1 vLLM streams each choice under its index; the
