@@ -32,6 +32,7 @@ faults that fired are counted: each kind must have.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -46,7 +47,7 @@ import pytest
 
 from proxy.continuation import refusal
 from proxy.ranks import RankTable
-from proxy.state import TABLE
+from proxy.state import METRICS, RELAY, TABLE
 from tests.conftest import replicas
 from tests.engine_rank import EngineRank, Faults
 from tests.fake_engine import (
@@ -650,3 +651,25 @@ async def test_an_echo_whose_usage_is_lost_gets_no_made_up_one(rig: Rig) -> None
     rig.engine.rng, rig.faults.todo = random.Random("echo"), list(case.faults)
     got = await ask(rig.http, rig.url, case)
     assert got.usage == [] and got.raw == direct(case, "echo")[:-1]
+
+
+async def test_a_client_that_leaves_during_the_hold_ends_it(proxy: Any) -> None:
+    # One rank, slow to recover: the stream is held. The client goes away:
+    # no continuation is sent for it, and the hold is over.
+    engine, faults = Engine(), Faults([Fault(3)])
+    rank = await EngineRank("a", engine, faults, recover_s=0.6).start()
+    try:
+        p = await proxy(replicas([rank], hold=HOLD, timeouts={"poll_interval_s": 0.02}))
+        body = {"model": "m", "prompt": "ab", "stream": True, "max_tokens": 12}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(p.url + "/v1/completions", json=body) as r:
+                while b"keepalive" not in await r.content.readline():
+                    pass
+            held = p.app[METRICS].streams_held
+            table = p.app[TABLE]
+            assert await table.wait_for(lambda: held._value.get() == 0, 2.0)
+            assert await table.wait_for(lambda: all(x.routable for x in table), 3.0)
+            await asyncio.sleep(0.2)
+        assert len(engine.seen) == 1 and p.app[RELAY].held == 0
+    finally:
+        await rank.stop()
