@@ -564,7 +564,16 @@ class Book:
         hit = _first_stop(buf, new, stops)
         if hit is not None:
             i, s = hit
-            end = i + len(s) if as_bool(self.body.get("include_stop_str_in_output")) else i
+            kept = as_bool(self.body.get("include_stop_str_in_output"))
+            if i < lead and not kept:
+                # vLLM showed that text as the first sample went on; this
+                # one's answer ends before it, and the client has it.
+                raise SpliceFailed(
+                    "stop_before_splice",
+                    "a fresh sample completed a stop string that starts in text "
+                    "the client already has",
+                )
+            end = i + len(s) if kept else i
             across = i < self.across
             self.behind, self.pending, self.across = "", "", 0
             return buf[lead : max(end, lead)], s, across

@@ -34,7 +34,9 @@ its text: a token can end one character and start the next).
 
 vLLM looks for stop strings in its own output only. A boundary is *open*
 when a stop string could start in its text and end in the continuation's:
-vLLM would not see it whole. Among usable boundaries the latest closed one
+vLLM would not see it whole. (A sampled continuation says something else
+after the boundary than the ids it goes back over did: text vLLM showed
+because those followed it may start one.) Among usable boundaries the latest closed one
 is taken, so the engine finds the stop itself, at its own token; greedy
 requests always have one (token 0). An open boundary is taken only when no
 closed one is usable (sampled), and the proxy then matches across it
@@ -145,7 +147,9 @@ async def find_boundary(
         b = _usable(k, text, visible, owed, greedy, held_max)
         if b is None:
             continue
-        b.open = opens_stop(text, full, stops)
+        # A fresh sample says something else after ``text`` than the ids
+        # did: only a greedy continuation says their text again.
+        b.open = opens_stop(text, full if greedy else None, stops)
         if not b.open:
             return b
         fallback = fallback or b
