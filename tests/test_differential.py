@@ -62,12 +62,20 @@ from tests.fake_engine import (
     whole_answer,
 )
 
-SEED = 21
+SEED = int(os.environ.get("FTPROXY_DIFFERENTIAL_SEED", "21"))
 CASES = int(os.environ.get("FTPROXY_DIFFERENTIAL_CASES", "400"))
 # Replay some cases only: FTPROXY_DIFFERENTIAL_ONLY=17,154
 ONLY = [int(n) for n in os.environ.get("FTPROXY_DIFFERENTIAL_ONLY", "").split(",") if n]
 HOLD = {"keepalive_s": 0.02, "stall_s": 5.0, "timeout_s": 5.0}
 STOPS = ["op", "é€", "b a", "€b", "😀", "a", "ab", "st", "t", "é", "€", "\n\n"]
+# Stop strings that overlap, share a start or split characters.
+OVERLAPPING = [
+    ["é", "é€"],
+    ["ab", "b a", "a"],
+    ["€b", "b€", "😀"],
+    ["a b a", "b a"],
+    ["\n", "\n\n"],
+]
 # Refusals the README documents for sampled streams: where the client has
 # ids or text a fresh sample cannot say again, or a stop string across the
 # splice ends in a chunk of several tokens.
@@ -171,6 +179,9 @@ def _widen(case: Case, rng: random.Random) -> None:
         body["tool_choice"] = rng.choice(["auto", "none", "required"])
     elif r < 0.22:
         body["response_format"] = {"type": rng.choice(["json_object", "text"])}
+    if rng.random() < 0.15:
+        body["stop"] = rng.choice(OVERLAPPING)
+        body["include_stop_str_in_output"] = rng.random() < 0.4
     if not case.whole and rng.random() < 0.4:
         body["stream_options"] = {
             "include_usage": rng.random() < 0.7,
@@ -387,8 +398,11 @@ def judge(
     if not case.ids and got.ids is not None:
         bad.append("token ids the client did not ask for")
     # Without ids, a sampled answer may go back over ids the client has no
-    # text of: only the last prompt is sure to lead to the answer.
-    for r in seen[1:] if case.ids or is_greedy(case.body) else seen[-1:]:
+    # text of: only the last prompt is sure to lead to the answer. A whole
+    # answer may start over (a request whose prompt is the client's):
+    # those before it led to an answer dropped.
+    since = max((i for i, r in enumerate(seen) if r.prompt == prompt), default=0)
+    for r in seen[since + 1 :] if case.ids or is_greedy(case.body) else seen[-1:]:
         if (
             r.prompt[: len(prompt)] != prompt
             or r.prompt[len(prompt) :] != seq[: len(r.prompt) - len(prompt)]
