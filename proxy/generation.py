@@ -136,7 +136,9 @@ def _check_encoding(up: RankResponse) -> None:
 
 
 def _tokens(book: Book) -> tuple[int | None, int | None]:
-    return (len(book.prompt_ids) if book.prompt_ids else None), len(book.generated)
+    # The ids a greedy continuation is saying again are the client's already.
+    generated = len(book.generated) + len(book.replay)
+    return (len(book.prompt_ids) if book.prompt_ids else None), generated
 
 
 def _json(raw: bytes) -> dict[str, Any] | None:

@@ -705,3 +705,19 @@ async def test_a_fresh_sample_ending_a_stop_string_in_text_the_client_has(rig: R
     said = last.prompt[len(prompt_of(case.path, body)) :] + last.sent
     assert said[6] == 2  # "b": the stop string across the splice
     assert got.error == "stop_before_splice" and got.text == "é€é€"
+
+
+async def test_usage_in_every_chunk_counts_the_ids_the_client_has_while_they_come_again(
+    rig: Rig,
+) -> None:
+    # Greedy: the splice goes back before ids the client has (their text,
+    # "€", held back for the stop string) and the continuation says them
+    # again. The chunk with their text counts them once, as the client has.
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": "m", "prompt": "c ", "temperature": 0, "return_token_ids": True}
+    body.update(stop=["€"], ignore_eos=False, stream=True, stream_options=opts)
+    case = Case(0, "/v1/completions", body, [1], [Fault(9, carry=3)])
+    rig.faults.todo = list(case.faults)
+    got = await ask(rig.http, rig.url, case)
+    assert len(rig.engine.seen) == 2 and got.error is None
+    assert _running_usage(got, len(prompt_of(case.path, body))) == []

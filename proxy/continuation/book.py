@@ -623,10 +623,15 @@ class Book:
         return self.prompt_ids
 
     def _usage(self) -> dict[str, int]:
-        """The answer's usage so far: the original prompt and every id generated."""
+        """The answer's usage so far: the original prompt and every id the
+        client has (those a greedy continuation says again included)."""
         prompt = len(self.prompt_ids or [])
-        return {"prompt_tokens": prompt, "completion_tokens": len(self.generated),
-                "total_tokens": prompt + len(self.generated)}  # fmt: skip
+        completion = len(self.generated) + len(self.replay)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def closing(self) -> list[bytes]:
         """What the client still needs once the last upstream is done."""
