@@ -8,7 +8,8 @@ A streamed completion or chat request is relayed event by event through a
   the request: send a continuation to a healthy rank and splice it in;
 * the rank's status turning not healthy, or no event for ``stall_s`` -> wait
   on the same upstream: with engine-side resume the same request continues
-  after recovery and is relayed on; without it, an abort follows.
+  after recovery and is relayed on; without it, an abort follows. Time spent
+  waiting on a slow client is not counted: the rank is not read meanwhile.
 
 A hold that lasts ``timeout_s``, a request that cannot be continued exactly
 (see :func:`~proxy.continuation.refusal`), or a continuation refused with a
@@ -124,7 +125,9 @@ class HeldStream:
         self.held_since: float | None = None
         self.hold_reason = ""
         self.resume_mode = "engine"  # who ends the next hold, as metrics count it
-        self.writing = False
+        # Writes to the client under way (the pump's, a keepalive): while any
+        # waits on the client, the rank is not read (see _check_stall).
+        self.writing = 0
         self.client_gone = False  # a write to the client failed: it left
         self.access = accesslog.current()
         self.continuations = 0
@@ -541,7 +544,10 @@ class HeldStream:
                 self.upstream.close()  # ends the pump; the hold timeout is reported
 
     def _check_stall(self) -> None:
-        if self.upstream is None:
+        if self.upstream is None or self.writing:
+            # Waiting on the client (backpressure), the proxy reads nothing
+            # from the rank: it cannot be heard, so nor judged silent. Judged
+            # from the wait's end (as the rank client's timeouts.read_s).
             return
         idle = time.monotonic() - self.last_event
         if idle > self.cfg.stall_s:
@@ -581,14 +587,14 @@ class HeldStream:
 
     async def _write(self, data: bytes) -> None:
         self._first_byte(data)
-        self.writing = True
+        self.writing += 1
         try:
             await self.sink.write(data)
         except (ConnectionError, aiohttp.ClientError):
             self.client_gone = True  # the client's side failed, not the upstream's
             raise
         finally:
-            self.writing = False
+            self._written()
 
     def _write_now(self, data: bytes) -> bool:
         """As :meth:`_write`, from a data callback; False: :meth:`_drain` first."""
@@ -600,14 +606,19 @@ class HeldStream:
             raise
 
     async def _drain(self) -> None:
-        self.writing = True
+        self.writing += 1
         try:
             await self.sink.drain()
         except (ConnectionError, aiohttp.ClientError):
             self.client_gone = True
             raise
         finally:
-            self.writing = False
+            self._written()
+
+    def _written(self) -> None:
+        """A write to the client ended: the rank's silence counts from now."""
+        self.writing -= 1
+        self.last_event = time.monotonic()
 
     def _first_byte(self, data: bytes) -> None:
         if self.first_pending and data is not KEEPALIVE and self.access is not None:
