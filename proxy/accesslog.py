@@ -42,6 +42,7 @@ class End(enum.StrEnum):
 
     FINISHED = "finished"
     CLIENT_LEFT = "client_left"
+    CLIENT_STALLED = "client_stalled"  # cut: took no byte for limits.send_timeout_s
     REFUSED = "refused"  # answered 4xx: by the proxy or by the rank
     NO_RANK = "no_rank"  # no healthy rank within the queue timeout
     UPSTREAM_ERROR = "upstream_error"

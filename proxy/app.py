@@ -39,6 +39,7 @@ from proxy.metrics import SAMPLE_EVERY_S, Metrics
 from proxy.ranks import RankTable
 from proxy.recovery import AutoRecovery, Recovery
 from proxy.relay import Outbound, Relay
+from proxy.sendwatch import SEND_WATCH, client_end
 from proxy.settings import Settings
 from proxy.sink import AioReply, Reply
 from proxy.state import (
@@ -93,7 +94,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
         request.app[METRICS].client_disconnects.inc()
-        rec.status, rec.end = 499, End.CLIENT_LEFT  # 499: nginx's "client closed request"
+        # 499: nginx's "client closed request" (or cut for taking nothing).
+        rec.status, rec.end = 499, client_end(request.get(SEND_WATCH))
         raise
     except BaseException:
         rec.status, rec.end = 500, End.ERROR

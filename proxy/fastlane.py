@@ -38,6 +38,7 @@ from proxy.errors import ProxyError, error_response
 from proxy.fields import parse_object
 from proxy.inbound import RequestTimeout, check_api_key, client_request_id, new_request_id
 from proxy.limits import Overloaded
+from proxy.sendwatch import SendWatch, client_end
 from proxy.sink import ChunkSink, Sink, bodiless
 from proxy.state import ACCESS_LOG, LIMIT, METRICS, SETTINGS, TRACING
 from proxy.target import parse_forward
@@ -63,6 +64,7 @@ class Connection(Protocol):
     """What the lane needs of the client connection (proxy.listener's handler)."""
 
     transport: asyncio.Transport | None
+    send_watch: SendWatch
 
     async def _drain_helper(self) -> None: ...
 
@@ -245,8 +247,8 @@ class Lane:
                 rec.status = reply.status
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.client_disconnects.inc()
-            if rec is not None:  # 499: nginx's "client closed request"
-                rec.status, rec.end = 499, End.CLIENT_LEFT
+            if rec is not None:  # 499: nginx's "client closed request" (or cut)
+                rec.status, rec.end = 499, client_end(conn.send_watch)
             raise
         except BaseException:
             if rec is not None:

@@ -1,6 +1,7 @@
 """Bounds on concurrent work: requests in flight (here), connections and header
-time (proxy.listener), body time (proxy.inbound), the wait queue (proxy.relay)
-and held streams (proxy.holdopen). Beyond a bound the answer is a 503 with
+time (proxy.listener), body time (proxy.inbound), a client that takes no byte
+of its answer (proxy.sendwatch), the wait queue (proxy.relay) and held streams
+(proxy.holdopen). Beyond a bound the answer is a 503 with
 ``Retry-After``, never unbounded memory or tasks."""
 
 from __future__ import annotations

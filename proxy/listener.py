@@ -11,7 +11,9 @@ It also bounds connections: at most ``limits.max_connections`` at once (a
 connection beyond gets a 503 with ``Retry-After`` and is closed), and a
 connection must complete a request's headers within
 ``limits.header_timeout_s`` of opening or of its previous answer (else 408
-and closed), so slow clients cannot hold sockets by dribbling bytes.
+and closed), so slow clients cannot hold sockets by dribbling bytes, and
+one that takes no byte of its answer for ``limits.send_timeout_s`` is cut
+(proxy.sendwatch).
 
 It relies on aiohttp internals (the handler class the ``Server`` makes and
 ``handle_error``'s signature), hence the ``aiohttp<4`` pin; tests/test_listener
@@ -42,6 +44,7 @@ from proxy.drain import InFlight
 from proxy.errors import error_body
 from proxy.fastlane import Lane, Late, Request
 from proxy.inbound import new_request_id
+from proxy.sendwatch import SEND_WATCH, SendWatch
 from proxy.settings import Limits
 
 log = logging.getLogger("ftproxy.listener")
@@ -106,9 +109,11 @@ class OpenAIErrorsHandler(RequestHandler):
     _requests = 0
     _body_refused = False  # the parser refused bytes of the body being read
     _answered = False  # the request aiohttp's path began last has its answer out
+    send_watch: SendWatch  # bounds how long a client may take no byte of its answer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._lane_parts = []
+        self.send_watch = SendWatch(self._loop, self.limits.send_timeout_s)
         super().connection_made(transport)
         server = self._manager
         if server is not None and len(server.connections) > self.limits.max_connections:
@@ -120,6 +125,7 @@ class OpenAIErrorsHandler(RequestHandler):
         self._arm_header_timer()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self.send_watch.stop()
         self._disarm_header_timer()
         if self._lane_task is not None:  # as aiohttp's handler_cancellation does
             self._lane_task.cancel()
@@ -127,6 +133,17 @@ class OpenAIErrorsHandler(RequestHandler):
             self._answer_late("gone")
         self._disarm_body_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The client is not taking its answer as fast as it is written:
+        whatever writes next waits, and the watch bounds that wait."""
+        super().pause_writing()
+        if self.transport is not None:
+            self.send_watch.paused(self.transport)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.send_watch.resumed()
 
     def request_started(self, body: StreamReader | None = None) -> None:
         """A request's headers are in: the header timer stops until its answer ends."""
@@ -443,9 +460,12 @@ def _tell_handler(factory: _RequestFactory) -> _RequestFactory:
         writer: AbstractStreamWriter,
         task: asyncio.Task[None],
     ) -> BaseRequest:
-        if isinstance(protocol, OpenAIErrorsHandler):
-            protocol.request_started(payload)
-        return factory(message, payload, protocol, writer, task)
+        if not isinstance(protocol, OpenAIErrorsHandler):
+            return factory(message, payload, protocol, writer, task)
+        protocol.request_started(payload)
+        request = factory(message, payload, protocol, writer, task)
+        request[SEND_WATCH] = protocol.send_watch  # the access log says if it cut the request
+        return request
 
     return make
 

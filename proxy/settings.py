@@ -149,6 +149,10 @@ class Limits(BaseModel):
     # from its previous answer), its body within body_timeout_s: else 408.
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(60.0, gt=0)
+    # A client that takes no byte of its answer for this long is cut (nginx's
+    # send_timeout): else one that stops reading holds its rank's connection,
+    # its place in max_requests and the unsent answer (proxy.sendwatch).
+    send_timeout_s: float = Field(300.0, gt=0)
     keepalive_timeout_s: float = Field(75.0, gt=0)  # idle client connection
     # Beyond these: 503 with Retry-After. A held stream is a connection and a
     # request; each holds two descriptors (client and upstream).

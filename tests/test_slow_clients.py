@@ -2,23 +2,29 @@
 
 A client slower than the rank makes the proxy wait on its writes
 (backpressure): the rank is not read meanwhile, so its silence cannot be
-judged, and a healthy stream must not be held or cut for it. Raw sockets
-with small buffers, so the test decides when bytes are read.
+judged, and a healthy stream must not be held or cut for it. A client that
+takes no byte of its answer for ``limits.send_timeout_s`` is cut as a client
+that left: the upstream request closed (vLLM aborts it), its place in the
+request limit and the unsent answer freed. Raw sockets with small buffers,
+so the test decides when bytes are read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any
 
 import httptools
 import pytest
+from pydantic import ValidationError
 
 from proxy.server import Running
-from proxy.state import METRICS
+from proxy.settings import Settings
+from proxy.state import LIMIT, METRICS
 from tests.conftest import capture_access_log, settings_for, until
 from tests.fakes import FakeRank
 
@@ -127,6 +133,10 @@ def _took(p: Running, fast_lane: bool) -> None:
     assert (p.lane is not None and p.lane.served == 1) == fast_lane
 
 
+def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 # -- a client slower than the rank is no stall of the rank's ----------------------
 async def test_a_client_pausing_its_reads_is_no_stall_of_the_ranks(
     fakes: Any, proxy: Any, fast_lane: bool
@@ -201,3 +211,93 @@ async def test_a_rank_silent_after_a_slow_client_caught_up_is_held_once(
     assert p.app[METRICS].resumes.labels("engine")._value.get() == 1
     _took(p, fast_lane)
     assert len(rank.received) == 1
+
+
+# -- a client that stops reading is cut -----------------------------------------
+async def test_a_client_that_stops_reading_a_stream_is_cut(
+    fakes: Any, proxy: Any, fast_lane: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: nothing bounded it; the rank's connection, the request's place
+    in the limit and the unsent answer were held as long as the socket was."""
+    caplog.set_level(logging.INFO)
+    rank = await fakes(name="a")
+    p = await _proxy(proxy, rank, fast_lane, limits={"send_timeout_s": 0.5})
+    out = capture_access_log(p)
+    client = await Client.connect(p)
+    try:
+        await client.send(_request({"max_tokens": 1_000_000, "stream": True}))
+        # Never read: the answer fills the buffers, then nothing is taken.
+        assert await until(lambda: rank.disconnects == 1, 5.0), "the upstream was not closed"
+        server = p.runner.server
+        assert server is not None
+        assert await until(lambda: not server.connections, 2.0), "the client was not cut"
+        assert p.app[LIMIT].in_flight == 0
+        assert rank.streamed < 1_000_000
+    finally:
+        client.close()
+    line = await _access_line(out)
+    assert (line["status"], line["end"]) == (499, "client_stalled"), line
+    assert line["holds"] == 0 and line["ranks"] == ["a"]
+    metrics = p.app[METRICS]
+    assert metrics.client_disconnects._value.get() == 1
+    assert metrics.internal_errors._value.get() == 0
+    assert metrics.streams_held._value.get() == 0
+    assert not _errors(caplog)
+    _took(p, fast_lane)
+
+
+async def test_a_client_that_stops_reading_a_whole_answer_is_cut(
+    fakes: Any, proxy: Any, fast_lane: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rank's part is over (the answer was read whole), but the answer
+    waiting in the proxy for the client to read it is not kept forever."""
+    caplog.set_level(logging.INFO)
+    rank = await fakes(name="a")
+    p = await _proxy(proxy, rank, fast_lane, limits={"send_timeout_s": 0.5})
+    client = await Client.connect(p)
+    try:
+        await client.send(_request({"max_tokens": 40_000}))  # ~200 KB, never read
+        server = p.runner.server
+        assert server is not None
+        assert await until(lambda: rank.streamed == 40_000, 10.0)
+        assert await until(lambda: not server.connections, 3.0), "the client was not cut"
+    finally:
+        client.close()
+    assert p.app[METRICS].internal_errors._value.get() == 0
+    assert not _errors(caplog)
+    _took(p, fast_lane)
+
+
+async def test_a_client_reading_slowly_but_steadily_is_not_cut(
+    fakes: Any, proxy: Any, fast_lane: bool
+) -> None:
+    """The bound is on a client that takes nothing, not on how long the proxy
+    waits for one that takes little: waits longer than send_timeout_s in all,
+    each ended by bytes taken, are a whole answer."""
+    rank = await fakes(name="a")
+    p = await _proxy(proxy, rank, fast_lane, limits={"send_timeout_s": 1.0})
+    out = capture_access_log(p)
+    client = await Client.connect(p)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        await client.send(_request({"max_tokens": 600, "stream": True}))
+        async with asyncio.timeout(30.0):
+            while True:  # 8 KiB every 0.2 s: a few times slower than the rank sends
+                if not await client.read(8192):
+                    break
+                await asyncio.sleep(0.2)
+    finally:
+        client.close()
+    _check_whole_stream(bytes(client.got), 600)
+    assert loop.time() - started > 2.0, "the client was not slower than the proxy"
+    line = await _access_line(out)
+    assert (line["end"], line["status"]) == ("finished", 200), line
+    _took(p, fast_lane)
+
+
+def test_send_timeout_s_defaults_to_five_minutes_and_must_be_positive() -> None:
+    ranks = [{"name": "a", "url": "http://127.0.0.1:9"}]
+    assert Settings(groups=[{"name": "g", "ranks": ranks}]).limits.send_timeout_s == 300.0
+    with pytest.raises(ValidationError):
+        Settings(groups=[{"name": "g", "ranks": ranks}], limits={"send_timeout_s": 0})
