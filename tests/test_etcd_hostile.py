@@ -411,3 +411,42 @@ async def test_an_oversized_or_unfinished_watch_message_reopens_the_watch(
         assert sample(p, "ftproxy_task_restarts_total", task="etcd-watch") == 0
     finally:
         await other.close()
+
+
+def two_groups(a: Any, b: Any, endpoint: str) -> Settings:
+    return Settings(
+        listen={"host": "127.0.0.1", "port": 0},
+        groups=[
+            {"name": "dp-a", "ranks": [{"name": a.name, "url": a.url}]},
+            {"name": "dp-b", "ranks": [{"name": b.name, "url": b.url}]},
+        ],
+        timeouts={"poll_interval_s": FAST_POLL_S, "queue_s": 2.0},
+        coordination={"etcd": {"endpoints": [endpoint], "lease_ttl_s": 2}},
+    )
+
+
+async def test_a_group_no_other_member_takes_is_kept_not_handed_over_again(
+    etcd, fakes, proxy, caplog
+) -> None:
+    # A member that leads nothing and takes nothing: a key no process holds
+    # any more, or a replica whose config has no such group (a rolling change).
+    a, b = await fakes(name="a"), await fakes(name="b")
+    client = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        await put_raw(client, "/ftproxy/members/elsewhere", b"true")
+        caplog.set_level(logging.INFO, logger="ftproxy.coordination")
+        p = await proxy(two_groups(a, b, etcd))
+        coord = p.app[COORD]
+
+        def both() -> bool:
+            return bool(coord.is_leader("dp-a") and coord.is_leader("dp-b"))
+
+        assert await until(both, 6), (coord.is_leader("dp-a"), coord.is_leader("dp-b"))
+        held = 0
+        for _ in range(40):  # 2 s: it keeps both, no take-and-give-up loop
+            held += both()
+            await asyncio.sleep(0.05)
+        assert held == 40, held
+        assert caplog.text.count("hands group") <= 1, caplog.text.count("hands group")
+    finally:
+        await client.close()

@@ -98,6 +98,12 @@ class Etcd(Coordination):
         # about later (wait_leader) is campaigned for from then on.
         self._leads: dict[str, asyncio.Event] = {g: asyncio.Event() for g in groups}
         self._unled: dict[str, int] = {}  # ticks a group has been seen without a leader
+        # Groups this process took because no other member did: kept, not
+        # handed over again, until the members change (a member that cannot
+        # take a group would hand it back and forth with us, ticking at once
+        # on each leader key it sees change).
+        self._adopted: set[str] = set()
+        self._members_seen: frozenset[str] = frozenset()
         # Changes seen by the watch, by kind; _wake is set (and replaced) on each.
         self._seq: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._wake = asyncio.Event()
@@ -240,12 +246,16 @@ class Etcd(Coordination):
         (groups / members, rounded up), or any group left without a leader
         for two of its ticks (a member that cannot take it); a process over
         its share while another is under gives one group up, and the watch
-        hands it to a process under its share at once. So leadership spreads
-        over the replicas, and one dead process takes only its own groups'
-        leaders with it.
+        hands it to a process under its share at once; a group it took
+        because nobody else did is not given up until the members change.
+        So leadership spreads over the replicas, and one dead process takes
+        only its own groups' leaders with it.
         """
         assert self.lease is not None
         members = await self._members()
+        if members != self._members_seen:
+            self._members_seen = frozenset(members)
+            self._adopted.clear()  # a member that joined may take them
         holders, revisions = await self._holders()
         groups = sorted(self._leads)
         share = -(-len(groups) // len(members))
@@ -263,15 +273,20 @@ class Etcd(Coordination):
             self._unled[group] = self._unled.get(group, 0) + 1
             # A live process may not be in the members read yet: a key naming
             # no member is taken only once it has stayed so for two ticks.
-            may = (len(mine) < share and holder is None) or self._unled[group] > 2
-            if may and await self._campaign(group, revisions.get(group, 0)):
+            fair = len(mine) < share and holder is None
+            if (fair or self._unled[group] > 2) and await self._campaign(
+                group, revisions.get(group, 0)
+            ):
                 mine.append(group)
                 self._lead(group)
+                if not fair:
+                    self._adopted.add(group)
         if not any(e.is_set() for e in self._leads.values()):
             self._leader.clear()
         counts = [sum(1 for h in holders.values() if h == m) for m in members]
-        if len(mine) > share and min(counts) < share:
-            group = mine[-1]
+        spare = [g for g in mine if g not in self._adopted]
+        if len(spare) > share and min(counts) < share:
+            group = spare[-1]
             self._leads[group].clear()  # stop starting its rounds before the key goes
             if await self.client.delete_if(self._key("leader", group), self.me):
                 log.info("%s hands group %s over (it leads %d, its share is %d)",
