@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 from prometheus_client import Counter
 
+from proxy.fields import MAX_DEPTH
+
 log = logging.getLogger("ftproxy.peers")
 
 LOG_EVERY_S = 60.0
@@ -41,14 +43,34 @@ class TooLarge(ValueError):
 
 def parse_json(raw: bytes) -> Any:
     """``raw`` as JSON, None when it is empty (as aiohttp's ``json()`` reads
-    it); ValueError when it is not (nesting too deep included: the parser's
-    RecursionError is no answer either)."""
+    it); ValueError when it is not, or nests deeper than a client's body may
+    (:data:`proxy.fields.MAX_DEPTH`): what parses near the parser's own limit
+    raises RecursionError later, where it is compared or written out again
+    deeper in the stack (a rank's answer shown in /admin/ranks, a model list
+    passed on to a client)."""
     if not raw.strip():
         return None
     try:
-        return jsonlib.loads(raw)
+        parsed = jsonlib.loads(raw)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+    if _nests_deeper(parsed, MAX_DEPTH):
+        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+    return parsed
+
+
+def _nests_deeper(root: Any, limit: int) -> bool:
+    """Whether ``root`` holds containers more than ``limit`` levels deep.
+    Level by level, without recursion, at about the parser's own cost."""
+    level = [root] if isinstance(root, (dict, list)) else []
+    for _ in range(limit):
+        inside: list[Any] = []
+        for node in level:
+            inside.extend(node.values() if isinstance(node, dict) else node)
+        level = [v for v in inside if isinstance(v, (dict, list))]
+        if not level:
+            return False
+    return True
 
 
 @dataclass

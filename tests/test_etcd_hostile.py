@@ -278,6 +278,8 @@ ANSWERS: list[tuple[str, bytes, str, Any]] = [
     ("/v3/kv/range", b"null", "get_prefix", EtcdError),
     ("/v3/kv/range", b"[]", "get_prefix", EtcdError),
     ("/v3/kv/range", b"[" * 100_000, "get_prefix", EtcdError),
+    # Past a client body's nesting: parsed, it may not be written out again.
+    ("/v3/kv/range", b'{"kvs":' + b"[" * 70 + b"]" * 70 + b"}", "get_prefix", EtcdError),
     ("/v3/kv/range", b'{"kvs":"x"}', "get_prefix", EtcdError),
     ("/v3/kv/range", b"{}", "get_prefix", {}),
     # A bad entry is skipped, the good ones beside it are kept.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,3 +173,57 @@ async def test_an_oversized_apply_answer_is_a_rank_error_of_the_round(
     assert "TooLarge" in ranks["a"]["error"] and ranks["a"]["http_status"] == 202
     assert ranks["b"]["sent"] and answer["outcome"] == "failed"
     assert too_large(p, "recovery") == 1
+
+
+@dataclass
+class Canned(FakeRank):
+    """A fake rank that answers the paths in ``bodies`` with those bytes (a
+    200, as JSON) instead of its own answer."""
+
+    bodies: dict[str, bytes] = field(default_factory=dict)
+
+    async def _canned(self, request: web.Request) -> web.Response | None:
+        body = self.bodies.get(request.path)
+        return None if body is None else web.Response(body=body, content_type="application/json")
+
+    async def _status(self, request: web.Request) -> web.StreamResponse:
+        return await self._canned(request) or await super()._status(request)
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return await self._canned(request) or await super()._models(request)
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+async def test_json_nested_past_the_bound_is_no_answer_and_never_a_500(fakes, proxy, http) -> None:
+    # Nested just under the parser's own limit, a rank's answer was parsed,
+    # kept, and then raised RecursionError where it was written out again
+    # (deeper in the stack): the client's /v1/models and /admin/ranks were
+    # 500s with a traceback, /admin/ranks for as long as the rank said so.
+    a = Canned(name="a", served="m-a")
+    await a.start()
+    try:
+        b = await fakes(name="b", served="m-b")
+        p = await proxy(replicas([a, b], admin={"token": TOKEN}))
+        table = p.app[TABLE]
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        limit = sys.getrecursionlimit()
+        for depth in [65, *range(limit - 100, limit, 2)]:
+            a.bodies["/v1/models"] = b'{"data":[{"id":"m-a","x":' + nested(depth) + b"}]}"
+            async with http.get(p.url + "/v1/models") as r:
+                assert r.status == 200, (depth, await r.text())
+                assert [m["id"] for m in (await r.json())["data"]] == ["m-b"], depth
+            a.bodies["/fault_tolerance/status"] = (
+                b'{"engines":[{"status":"healthy","x":' + nested(depth) + b"}]}"
+            )
+            assert await table.wait_for(
+                lambda: table.ranks["a"].reason == "poll failed: ValueError", 2
+            ), depth
+            async with http.get(p.url + "/admin/ranks", headers=auth) as r:
+                assert r.status == 200, (depth, await r.text())
+            a.bodies.clear()
+            assert await table.wait_for(lambda: table.ranks["a"].routable, 2), depth
+    finally:
+        await a.stop()
