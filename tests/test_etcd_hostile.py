@@ -304,6 +304,11 @@ ANSWERS: list[tuple[str, bytes, str, Any]] = [
     ("/v3/lease/grant", b'{"ID":"x"}', "grant", EtcdError),
     ("/v3/lease/grant", b'{"ID":{"a":1}}', "grant", EtcdError),
     ("/v3/lease/grant", b'{"ID":"12","TTL":"5","error":"no space"}', "grant", EtcdError),
+    # Lease 0 is etcd's "no lease": keys put on it would never expire.
+    ("/v3/lease/grant", b'{"ID":"0","TTL":"5"}', "grant", EtcdError),
+    ("/v3/lease/grant", b'{"ID":"-12","TTL":"5"}', "grant", EtcdError),
+    ("/v3/lease/grant", b'{"ID":"12","TTL":"0"}', "grant", EtcdError),
+    ("/v3/lease/grant", b'{"ID":"12","TTL":"-5"}', "grant", EtcdError),
     ("/v3/lease/grant", b'{"ID":"12","TTL":"5"}', "grant", "12"),
     ("/v3/lease/keepalive", b'{"result":{"TTL":"abc"}}', "keepalive", EtcdError),
     ("/v3/lease/keepalive", b'{"result":"x"}', "keepalive", EtcdError),

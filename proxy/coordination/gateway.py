@@ -327,7 +327,10 @@ class Client:
                 raise ValueError(str(answer["error"])[:200])
             if _int(answer.get("TTL")) <= 0:
                 raise ValueError("no time to live")
-            return str(_int(answer.get("ID")))
+            lease = _int(answer.get("ID"))
+            if lease <= 0:  # 0 is etcd's "no lease": keys put on it would never expire
+                raise ValueError(f"lease id {lease}")
+            return str(lease)
         except ValueError as e:
             raise EtcdError(f"etcd granted no lease: {e}") from None
 
