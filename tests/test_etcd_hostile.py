@@ -290,6 +290,13 @@ ANSWERS: list[tuple[str, bytes, str, Any]] = [
         {"/a": (b"1", 7)},
     ),
     ("/v3/kv/range", b'{"kvs":[{"key":"L2E=","mod_revision":"x"}]}', "get_prefix", {}),
+    # A key outside the range asked for (here "a", not under "/"): skipped.
+    (
+        "/v3/kv/range",
+        f'{{"kvs":[{{"key":"YQ==","value":"MQ=="}},{KV}]}}'.encode(),
+        "get_prefix",
+        {"/a": (b"1", 7)},
+    ),
     (
         "/v3/kv/range",
         b'{"kvs":[{"key":"L2E=","mod_revision":"7"}]}',

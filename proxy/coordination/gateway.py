@@ -109,6 +109,12 @@ def _int(field: Any) -> int:
     raise ValueError(f"not a number: {str(field)[:40]!r}")
 
 
+def _asked(key: bytes, start: bytes, end: bytes | None) -> bool:
+    """Whether a range answer's key is one the range asked for (``end`` None:
+    ``start`` alone)."""
+    return key == start if end is None else start <= key < end
+
+
 def _object(answer: Any, what: str) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise EtcdError(f"etcd {what}: the answer is not an object: {str(answer)[:100]!r}")
@@ -274,12 +280,17 @@ class Client:
         kvs = (await self.call("/v3/kv/range", body)).get("kvs", [])
         if not isinstance(kvs, list):
             raise EtcdError(f"etcd /v3/kv/range: kvs is not a list: {str(kvs)[:100]!r}")
+        start = base64.b64decode(body["key"])
+        end = base64.b64decode(body["range_end"]) if "range_end" in body else None
         found: dict[str, Stored] = {}
         for kv in kvs:
             try:
                 key, stored = _entry(kv)
             except ValueError as e:
                 self.junk.skip("entry", "etcd range", str(e))
+                continue
+            if not _asked(key.encode(), start, end):
+                self.junk.skip("entry", "etcd range", f"key {key[:60]!r} outside the range")
                 continue
             found[key] = stored
         return found
