@@ -65,17 +65,19 @@ def summarize(body: Any) -> tuple[str, dict[str, Any]]:
 
     A rank's API server normally manages one engine; if it lists several, the
     rank is healthy only when all are, else it takes the first other status.
-    Unknown statuses are kept verbatim (and so are not routable).
+    Unknown statuses are kept verbatim (and so are not routable); an entry
+    that is no object is an engine whose status is unknown.
     """
     engines = body.get("engines") if isinstance(body, dict) else None
     if not isinstance(engines, list) or not engines:
         return UNKNOWN, {"body": body}
-    entries = [e for e in engines if isinstance(e, dict)]
-    for entry in entries:
+    for entry in engines:
+        if not isinstance(entry, dict):
+            return UNKNOWN, {"body": body}
         status = str(entry.get("status", UNKNOWN)).lower()
         if status != HEALTHY:
             return status, entry
-    return (HEALTHY, entries[0]) if entries else (UNKNOWN, {"body": body})
+    return HEALTHY, engines[0]
 
 
 class Poller:

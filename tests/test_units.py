@@ -54,6 +54,9 @@ def test_summarize_tolerates_shapes_and_unknown_statuses() -> None:
     assert summarize({"engines": []})[0] == "unknown"
     assert summarize(["nonsense"])[0] == "unknown"
     assert summarize({"engines": [{"id": 0, "status": "rebooting"}]})[0] == "rebooting"
+    # An engine entry that is no object is an engine of unknown state: not healthy.
+    for junk in (None, "healthy", 0, ["healthy"]):
+        assert summarize({"engines": [{"status": "healthy"}, junk]})[0] == "unknown", junk
 
 
 def test_unknown_status_is_not_routable() -> None:
