@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 
 from proxy.bounded import Bound, parse_json, read_body
-from proxy.errors import RoundInProgress
+from proxy.errors import ProxyError, RoundInProgress
 from proxy.metrics import Metrics
 from proxy.ranks import DEAD, HEALTHY, UNHEALTHY, Rank, RankTable
 from proxy.settings import Settings
@@ -321,6 +321,12 @@ class AutoRecovery:
                 attempts -= 1
                 self._decide(name, "skipped", busy.message)
                 await self.wait_idle(name)
+                continue
+            except ProxyError as e:
+                # The shared round store did not answer (etcd): a failed
+                # attempt; a round it did start is driven to its end all the
+                # same by its owner, and the next attempt joins it.
+                self._decide(name, "failed", e.message)
                 continue
             if report.outcome == RECOVERED:
                 attempts = 0

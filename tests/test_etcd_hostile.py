@@ -464,3 +464,50 @@ async def test_a_group_no_other_member_takes_is_kept_not_handed_over_again(
         assert caplog.text.count("hands group") <= 1, caplog.text.count("hands group")
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("lost", ["create", "sent"])
+async def test_a_round_whose_write_failed_or_lost_its_answer_is_still_driven_once(
+    etcd, fakes, proxy, monkeypatch, caplog, lost
+) -> None:
+    # An etcd slower than timeout_s commits a write whose answer never comes:
+    # the round's record (state waiting, owned by this live process) was
+    # never driven, and no other process takes over a round with an owner.
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(coordinated([a, b], etcd, auto=True))
+    coord = p.app[COORD]
+    assert await until(lambda: coord.is_leader("dp-a"), 5)
+    create, put = coord.client.create, coord.client.put
+    failed = 0
+
+    async def create_answer_lost(key: str, value: Any, *args: Any, **kw: Any) -> bool:
+        nonlocal failed
+        done = await create(key, value, *args, **kw)
+        if key == "/ftproxy/rounds/dp-a" and not failed:
+            failed += 1
+            raise EtcdError("etcd did not answer in time")
+        return done
+
+    async def sent_not_written(key: str, value: Any, lease: str | None = None) -> None:
+        nonlocal failed
+        if isinstance(value, dict) and value.get("state") == "sent" and not failed:
+            failed += 1
+            raise EtcdError("etcd did not answer in time")
+        await put(key, value, lease)
+
+    if lost == "create":
+        monkeypatch.setattr(coord.client, "create", create_answer_lost)
+    else:
+        monkeypatch.setattr(coord.client, "put", sent_not_written)
+    client = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        a.fault()
+        b.fault()
+        assert await until(lambda: a.status == b.status == "healthy", 10), (a.status, b.status)
+        assert failed == 1
+        assert len(a.applies) == len(b.applies) == 1
+        assert await round_ends(client) == "recovered"
+        assert sample(p, "ftproxy_task_restarts_total", task="auto-recovery") == 0
+        assert "Traceback" not in caplog.text
+    finally:
+        await client.close()

@@ -28,7 +28,11 @@ start two: the loser joins (same work) or gets 409 (other work). The owner
 writes ``sent`` before it sends anything. When the owner dies its lease
 expires and the group's leader takes the round over: ``waiting`` -> it runs the
 round from the start under the same id (nothing was sent); ``sent`` -> it
-only watches the ranks and writes the report. Never two fan-outs per round.
+only watches the ranks and writes the report. A round whose owner lives but
+does not drive it (the answer to the write that made it the owner was lost,
+or its "sent" write failed) is driven by the owner's next tick the same way.
+A round is taken by a compare-and-swap on its record as read: never two
+fan-outs per round.
 
 Whatever etcd holds or answers, nothing here takes it on trust
 (:mod:`proxy.coordination.gateway` checks the shape of every answer): a value
@@ -110,7 +114,10 @@ class Etcd(Coordination):
         self.watching = False
         self.lease: str | None = None
         self._leased = asyncio.Event()
-        self._taken: set[str] = set()  # rounds this process took over
+        # Rounds this process drives, or is about to (from before the write
+        # that makes one its own): every other round it owns is driven by
+        # nobody, as after a write whose answer was lost.
+        self._driving: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watcher: asyncio.Task[None] | None = None
 
@@ -235,8 +242,7 @@ class Etcd(Coordination):
             self.lease = await self.client.grant(self.cfg.lease_ttl_s)
             self._leased.set()
         await self._balance()
-        if self.is_leader():
-            await self._take_over_orphans()
+        await self._take_over_orphans()
 
     async def _balance(self) -> None:
         """Lead a fair share of the groups.
@@ -354,8 +360,15 @@ class Etcd(Coordination):
             round_id = uuid.uuid4().hex
             fresh = {**_record(spec, round_id, trigger), "state": "waiting", "owner": self.me}
             owner = (key + "/owner", self.me, self.lease)
-            if await self.client.create(key, fresh, also=[owner], mod_revision=revision):
+            self._driving.add(round_id)  # a tick reading it before the answer leaves it to us
+            try:
+                created = await self.client.create(key, fresh, also=[owner], mod_revision=revision)
+            except EtcdError:
+                self._driving.discard(round_id)  # if it was written, a tick drives it
+                raise
+            if created:
                 return await self._drive(key, fresh, already_sent=False)
+            self._driving.discard(round_id)
             # Someone else created one first: look again (join or 409).
 
     async def _drive(self, key: str, record: dict[str, Any], already_sent: bool) -> RoundReport:
@@ -364,19 +377,24 @@ class Etcd(Coordination):
         async def sent() -> None:  # durable before the first POST goes out
             await self.client.put(key, {**record, "state": "sent"})
 
-        report = await self.recovery.run(
-            _spec(record), record["trigger"], record["round_id"], sent, already_sent
-        )
-        done = {**record, "state": "done", "report": report.as_dict()}
-        for attempt in range(10):  # the report must land, or joiners wait forever
-            try:
-                await self.client.put(key, done)
-                await self.client.delete(key + "/owner")
-                break
-            except EtcdError as e:
-                log.warning("round %s: report not stored yet (%s)", record["round_id"], e)
-                await asyncio.sleep(0.2 * (attempt + 1))
-        return report
+        try:
+            report = await self.recovery.run(
+                _spec(record), record["trigger"], record["round_id"], sent, already_sent
+            )
+            done = {**record, "state": "done", "report": report.as_dict()}
+            for attempt in range(10):  # the report must land, or joiners wait forever
+                try:
+                    await self.client.put(key, done)
+                    await self.client.delete(key + "/owner")
+                    break
+                except EtcdError as e:
+                    log.warning("round %s: report not stored yet (%s)", record["round_id"], e)
+                    await asyncio.sleep(0.2 * (attempt + 1))
+            return report
+        finally:
+            # Still ours and not done (the "sent" write or the report failed):
+            # a tick drives it again, from where etcd says it is.
+            self._driving.discard(record["round_id"])
 
     async def _await_done(self, key: str, round_id: str) -> RoundReport:
         while True:
@@ -389,26 +407,28 @@ class Etcd(Coordination):
             await self.wait_change("rounds", seen)
 
     async def _take_over_orphans(self) -> None:
+        """Drive every round without a driver: one this process owns but does
+        not drive (the answer to the write that made it ours was lost, or its
+        drive failed), and in a group it leads one whose owner is gone."""
         found = await self.client.get_prefix(self._key("rounds") + "/")
         for key, stored in found.items():
-            owner = found.get(key + "/owner")
-            driven = self._read(key + "/owner", owner, _holder) is not None
-            if key.endswith("/owner") or driven:
-                continue  # an owner key, or a round with a driver
+            if key.endswith("/owner"):
+                continue
             record = self._read(key, stored, _round)
-            if record is None or record["state"] == "done" or record["round_id"] in self._taken:
+            if record is None or record["state"] == "done" or record["round_id"] in self._driving:
                 continue
-            if not self.is_leader(record["group"]):
-                continue  # the group's own leader takes it over
-            revision = owner.revision if owner is not None else 0  # junk: replaced
-            if not await self.client.create(
-                key + "/owner", self.me, self.lease, mod_revision=revision
-            ):
-                continue
-            self._take_over(key, record)
+            holder = self._read(key + "/owner", found.get(key + "/owner"), _holder)
+            if holder != self.me and (holder is not None or not self.is_leader(record["group"])):
+                continue  # driven elsewhere, or the group's own leader takes it over
+            taken = {**record, "owner": self.me}
+            owner = (key + "/owner", self.me, self.lease)
+            # On the record as read: a round that moved on meanwhile (sent,
+            # done, taken by another) is left alone, never driven twice.
+            if await self.client.create(key, taken, also=[owner], mod_revision=stored.revision):
+                self._take_over(key, record)
 
     def _take_over(self, key: str, record: dict[str, Any]) -> None:
-        self._taken.add(record["round_id"])
+        self._driving.add(record["round_id"])
         sent = record["state"] == "sent"
         log.warning(
             "round %s of group %s lost its driver (%s); %s takes it over%s",
