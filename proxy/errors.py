@@ -64,9 +64,15 @@ class ModelNotFound(ProxyError):
     status, type, code = 404, "NotFoundError", "model_not_found"
     extra = {"code": 404}  # noqa: RUF012 - read-only
 
+    LISTED = 64  # a rank may list thousands: the answer (and its log line) names these
+
     def __init__(self, model: str, served: list[str]) -> None:
-        super().__init__(f"The model `{model}` does not exist. Valid aliases: "
-                         f"{', '.join(served)}.", param="model")  # fmt: skip
+        names = ", ".join(served[: self.LISTED])
+        if len(served) > self.LISTED:
+            names += f", and {len(served) - self.LISTED} more"
+        super().__init__(
+            f"The model `{model}` does not exist. Valid aliases: {names}.", param="model"
+        )
 
 
 class MethodNotAllowed(ProxyError):

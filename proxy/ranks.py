@@ -128,6 +128,9 @@ class RankTable:
         self.ranks: dict[str, Rank] = {}
         self._changed = asyncio.Event()
         self.version = 0
+        # The names every rank serves, sorted, as of a version: a rank may
+        # list thousands, and each request for a model none serves needs them.
+        self._served: tuple[int, list[str]] = (-1, [])
         self.apply(groups)
 
     def apply(self, groups: Iterable[GroupConfig]) -> dict[str, list[str]]:
@@ -174,7 +177,9 @@ class RankTable:
             return None
         if any(model in (r.models or ()) for r in ranks):
             return None  # the common case, per request: no set built
-        return sorted({m for r in ranks for m in r.models or ()})
+        if self._served[0] != self.version:  # models learnt or ranks changed: notify()
+            self._served = (self.version, sorted({m for r in ranks for m in r.models or ()}))
+        return self._served[1]
 
     def observe(
         self,

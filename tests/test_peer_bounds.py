@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,5 +227,40 @@ async def test_json_nested_past_the_bound_is_no_answer_and_never_a_500(fakes, pr
                 assert r.status == 200, (depth, await r.text())
             a.bodies.clear()
             assert await table.wait_for(lambda: table.ranks["a"].routable, 2), depth
+    finally:
+        await a.stop()
+
+
+async def test_a_huge_model_list_costs_an_unknown_model_request_little(fakes, proxy, http) -> None:
+    # 100,000 names under the 4 MiB bound: every request for a model no rank
+    # serves sorted them all anew and answered (and logged) all of them, a
+    # 404 of 2.9 MB and about 85 ms of the event loop each.
+    ids = [f"model-{i:06d}-" + "x" * 14 for i in range(100_000)]
+    a = Canned(
+        name="a", bodies={"/v1/models": json.dumps({"data": [{"id": i} for i in ids]}).encode()}
+    )
+    await a.start()
+    try:
+        b = await fakes(name="b", served="m-b")
+        p = await proxy(replicas([a, b]))
+        table = p.app[TABLE]
+        assert await table.wait_for(lambda: all(r.models for r in table), 5)
+        t0 = time.monotonic()
+        for _ in range(20):
+            body = {"model": "nope", "prompt": "x"}
+            async with http.post(p.url + "/v1/completions", json=body) as r:
+                assert r.status == 404
+                message = (await r.json())["error"]["message"]
+        took = time.monotonic() - t0
+        assert len(message) < 4096, len(message)
+        assert message.startswith(
+            "The model `nope` does not exist. Valid aliases: m-b, model-000000"
+        )
+        assert message.endswith(", and 99937 more."), message[-40:]
+        assert took < 1.0, took
+        # A served one still goes through.
+        body = {"model": ids[-1], "prompt": "x", "max_tokens": 1}
+        async with http.post(p.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
     finally:
         await a.stop()
