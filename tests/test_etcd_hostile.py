@@ -511,3 +511,41 @@ async def test_a_round_whose_write_failed_or_lost_its_answer_is_still_driven_onc
         assert "Traceback" not in caplog.text
     finally:
         await client.close()
+
+
+async def test_a_flood_of_junk_on_the_watch_costs_what_polling_costs(
+    gateway, etcd, fakes, proxy, monkeypatch
+) -> None:
+    # Each junk message says "anything may have changed": each woke every
+    # reader, the lease loop included, to read etcd again (about 4 calls a
+    # second quiet, about 400 during a flood of a message a millisecond).
+    a = await fakes(name="a")
+    p = await proxy(coordinated([a], gateway.url))
+    coord = p.app[COORD]
+    other = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        assert await until(lambda: coord.watching and gateway.watches == 1, 5)
+        calls, call = 0, coord.client.call
+
+        async def counted(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            nonlocal calls
+            calls += 1
+            return await call(path, body)
+
+        monkeypatch.setattr(coord.client, "call", counted)
+
+        async def flood() -> None:
+            while True:
+                gateway.inject(b"junk\n")
+                await asyncio.sleep(0.001)
+
+        flooding = asyncio.create_task(flood())
+        try:
+            await asyncio.sleep(1.0)
+            assert calls < 100, calls  # a wake per 0.2 s: 5 re-reads of a few calls each
+            # A change during the flood still arrives, by the watch or the junk's wake.
+            assert await weight_arrives(p, other, 0) < 1.0
+        finally:
+            flooding.cancel()
+    finally:
+        await other.close()

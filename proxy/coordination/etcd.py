@@ -111,6 +111,10 @@ class Etcd(Coordination):
         # Changes seen by the watch, by kind; _wake is set (and replaced) on each.
         self._seq: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._wake = asyncio.Event()
+        # When every kind was last woken for a message that named no key, and
+        # the wake due after it: see _changed_all.
+        self._all_at = float("-inf")
+        self._all_due: asyncio.TimerHandle | None = None
         self.watching = False
         self.lease: str | None = None
         self._leased = asyncio.Event()
@@ -209,6 +213,20 @@ class Etcd(Coordination):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), left)
 
+    def _changed_all(self) -> None:
+        """Anything may have changed (the watch began, or a message of it was
+        junk): wake every reader, at most once per POLL_S, so a flood of junk
+        costs what polling does; the last of a flood still wakes them."""
+        if self._all_due is not None:
+            return  # a wake is due already
+        loop = asyncio.get_running_loop()
+        self._all_due = loop.call_at(max(loop.time(), self._all_at + POLL_S), self._wake_all)
+
+    def _wake_all(self) -> None:
+        self._all_due = None
+        self._all_at = asyncio.get_running_loop().time()
+        self._changed(KINDS)
+
     def _changed(self, kinds: Iterable[str]) -> None:
         for kind in kinds:
             if kind in self._seq:
@@ -225,7 +243,7 @@ class Etcd(Coordination):
                 async for keys in self.client.watch(root):
                     if keys is None:  # (re)started, or junk: whatever changed, read it
                         self.watching = True
-                        self._changed(KINDS)
+                        self._changed_all()
                     else:
                         first = {k[len(root) :].split("/", 1)[0] for k in keys}
                         self._changed({SAME_AS.get(f, f) for f in first})
@@ -334,6 +352,8 @@ class Etcd(Coordination):
 
     async def close(self) -> None:
         self._step_down("stopping", logging.INFO)
+        if self._all_due is not None:
+            self._all_due.cancel()
         for task in self._tasks:
             task.cancel()
         if self.lease is not None:
