@@ -549,3 +549,28 @@ async def test_a_flood_of_junk_on_the_watch_costs_what_polling_costs(
             flooding.cancel()
     finally:
         await other.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [(503, b'{"error":"etcdserver: no leader","code":14}'), (500, b"<html>"), (200, b"[]")],
+)
+async def test_an_endpoint_answering_an_error_is_passed_over_for_the_next(
+    aiohttp_server, etcd, status, body
+) -> None:
+    # A member cut off from its cluster answers 503 (no leader): the call
+    # failed there, however many other endpoints were configured and well.
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", _answer(body, status))
+    server = await aiohttp_server(app)
+    bad = str(server.make_url("")).rstrip("/")
+    client = Client(EtcdConfig(endpoints=[bad, etcd]))
+    try:
+        await client.put("/x", 1)
+        assert await client.get("/x") is not None
+        assert await client.create("/y", 1)
+        async for keys in client.watch("/"):
+            assert keys is None  # created, on the endpoint that answers
+            break
+    finally:
+        await client.close()

@@ -40,14 +40,18 @@ log = logging.getLogger("ftproxy.coordination")
 
 LOG_EVERY_S = 60.0
 _INT = re.compile(r"-?[0-9]{1,20}")  # int64 fields: JSON strings in the gateway's mapping
-# What reading an answer may raise besides EtcdError: all of it fails the call.
-_FAILURES = (aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError)
 
 
 class EtcdError(ProxyError):
     """etcd did not answer or refused; an admin call gets 503."""
 
     status, type, code = 503, "server_error", "coordination_unavailable"
+
+
+# What one endpoint's answer may raise: all of it fails the call there, and
+# the next endpoint is asked (an HTTP error included: a member cut off from
+# its cluster answers 503 while the others serve).
+_FAILURES = (EtcdError, aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError)
 
 
 @dataclass(frozen=True)
