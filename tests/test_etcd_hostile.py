@@ -574,3 +574,37 @@ async def test_an_endpoint_answering_an_error_is_passed_over_for_the_next(
             break
     finally:
         await client.close()
+
+
+@pytest.fixture
+async def black_hole() -> AsyncIterator[str]:
+    """An endpoint that takes connections and never answers on them."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+
+
+async def test_an_endpoint_that_never_answers_is_not_asked_first_on_every_call(
+    black_hole, etcd, fakes, proxy
+) -> None:
+    # Every call went to the first endpoint first and waited timeout_s there:
+    # a tick of four calls outlasted the lease, so leadership came and went.
+    a = await fakes(name="a")
+    p = await proxy(coordinated([a], "", endpoints=[black_hole, etcd], timeout_s=1.0))
+    coord = p.app[COORD]
+    assert await until(lambda: coord.is_leader("dp-a"), 8)
+    held = 0
+    for _ in range(60):  # 3 s: more than a lease, at a renewal every 0.67 s
+        held += coord.is_leader("dp-a")
+        await asyncio.sleep(0.05)
+    assert held == 60, held

@@ -143,6 +143,14 @@ class Client:
         self.bound = Bound("etcd", cfg.max_answer_bytes, cfg.timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._token: str | None = None
+        # The endpoint that answered last is asked first: one that never
+        # answers would cost every call timeout_s, and a tick of a few calls
+        # would outlast the lease.
+        self._first = 0
+
+    def _endpoints(self) -> list[tuple[int, str]]:
+        endpoints = list(enumerate(self.cfg.endpoints))
+        return endpoints[self._first :] + endpoints[: self._first]
 
     def count_into(self, skipped: Counter, too_large: Counter) -> None:
         """Count skipped entries and answers over the bound in these from now on."""
@@ -177,11 +185,14 @@ class Client:
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self._open()
         last: Exception | None = None
-        for endpoint in self.cfg.endpoints:  # the first that answers
+        for index, endpoint in self._endpoints():  # the first that answers
             try:
-                return await self._post(endpoint, path, body)
+                answer = await self._post(endpoint, path, body)
             except _FAILURES as e:  # a body that is not etcd's JSON is no answer either
                 last = e
+                continue
+            self._first = index
+            return answer
         raise EtcdError(f"no etcd endpoint answered {path}: {last!r}")
 
     async def _auth(self, endpoint: str) -> dict[str, str]:
@@ -218,7 +229,7 @@ class Client:
         session = self._open()
         body = {"create_request": {"key": b64(prefix), "range_end": prefix_end(prefix)}}
         last: Exception | None = None
-        for endpoint in self.cfg.endpoints:
+        for index, endpoint in self._endpoints():
             try:
                 headers = await self._auth(endpoint)
                 url = endpoint + "/v3/watch"
@@ -228,6 +239,7 @@ class Client:
                     if r.status != 200:
                         answer = await read_body(r, self.bound)
                         raise EtcdError(f"etcd /v3/watch: HTTP {r.status}: {answer[:200]!r}")
+                    self._first = index
                     async for line in lines(r, self.bound):
                         keys = self._watched(line) if line.strip() else []
                         if keys != []:  # [] : a message that changed nothing
