@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -608,3 +610,43 @@ async def test_an_endpoint_that_never_answers_is_not_asked_first_on_every_call(
         held += coord.is_leader("dp-a")
         await asyncio.sleep(0.05)
     assert held == 60, held
+
+
+def _orphan(**fields: Any) -> bytes:
+    """A round record of dp-a as a dead process left it (sent), with ``fields``."""
+    record = dict(
+        group="dp-a",
+        round_id="r1",
+        instruction="retry",
+        params={},
+        targets=None,
+        trigger="auto",
+        wait_unhealthy_s=1.0,
+        recover_s=5.0,
+        state="sent",
+    )
+    record.update(owner="ghost:1:0", **fields)
+    return json.dumps(record).encode()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"recover_s": math.nan}, {"wait_unhealthy_s": math.nan}, {"recover_s": -1}],
+    ids=["recover_s NaN", "wait_unhealthy_s NaN", "recover_s < 0"],
+)
+async def test_a_round_record_whose_times_are_no_times_is_junk(etcd, fakes, proxy, fields) -> None:
+    # json reads NaN; a NaN timeout in asyncio's timer heap fires late and
+    # makes the timers after it fire out of order, for the whole process.
+    a, b = await fakes(name="a"), await fakes(name="b")
+    client = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        await put_raw(client, "/ftproxy/rounds/dp-a", _orphan(**fields))
+        p = await proxy(coordinated([a, b], etcd))
+        coord = p.app[COORD]
+        assert await until(lambda: coord.is_leader("dp-a"), 5)
+        assert await coord.rounds() == []  # no round: junk, replaced by the next one
+        await asyncio.sleep(1.0)  # a tick or two: it is not taken over
+        assert not coord._driving
+        assert sample(p, "ftproxy_etcd_skipped_total", reason="value") >= 1
+    finally:
+        await client.close()

@@ -37,7 +37,8 @@ fan-outs per round.
 Whatever etcd holds or answers, nothing here takes it on trust
 (:mod:`proxy.coordination.gateway` checks the shape of every answer): a value
 that is not JSON of its key's kind (a leader or owner that is no process id,
-a weight that is no count, a round record without its fields, an empty value)
+a weight that is no count, a round record without its fields or with a
+time that is NaN or negative, an empty value)
 is skipped, logged and counted (``ftproxy_etcd_skipped_total{reason="value"}``)
 as if the key were absent, and a leader or round key holding junk is taken
 over by a compare-and-swap on its revision. A leader key naming no live
@@ -557,6 +558,10 @@ def _round(value: Any) -> dict[str, Any] | None:
     if not all(isinstance(value.get(f), kind) for f, kind in _ROUND_FIELDS.items()):
         return None
     if value["state"] not in ("waiting", "sent", "done"):
+        return None
+    # Timeouts of the round: json reads NaN, and one NaN timeout in asyncio's
+    # timer heap makes the timers after it fire late and out of order.
+    if not (value["wait_unhealthy_s"] >= 0 and value["recover_s"] >= 0):
         return None
     if not all(isinstance(t, str) for t in value["targets"] or ()):
         return None
