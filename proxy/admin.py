@@ -248,13 +248,22 @@ async def follow_weights(app: web.Application) -> None:
     # Filled in place: the app's state is frozen once started.
     held, gone = app[WEIGHTS], app[REMOVED]
     coord = app[COORD]
+    failing = False  # logged once an outage: it polls every 0.2 s meanwhile
     while True:
         seen = coord.seen("weights")  # before the read: a change during it wakes us
         try:
             fresh, removed = await coord.weights(), await coord.removed()
-        except Exception:  # the store is down: keep what is in force, try again
-            log.exception("weight overrides not read")
+        except Exception as e:  # the store is down: keep what is in force, try again
+            if not failing and isinstance(e, ProxyError):
+                log.warning("weight overrides not read (%s); the ones in force are kept", e)
+            elif not failing:
+                log.exception("weight overrides not read")
+            failing = True
             fresh, removed = dict(held), set(gone)
+        else:
+            if failing:
+                log.info("weight overrides read again")
+            failing = False
         if fresh is None:
             return  # memory: PATCH applies in place, nothing to follow
         held.clear()

@@ -650,3 +650,31 @@ async def test_a_round_record_whose_times_are_no_times_is_junk(etcd, fakes, prox
         assert sample(p, "ftproxy_etcd_skipped_total", reason="value") >= 1
     finally:
         await client.close()
+
+
+async def test_weights_unreadable_during_an_outage_are_one_warning_not_tracebacks(
+    etcd, fakes, proxy, monkeypatch, caplog
+) -> None:
+    # The weight follower polls every 0.2 s while the watch is down: each
+    # failed read logged a traceback, five a second for as long as it lasted.
+    a = await fakes(name="a")
+    p = await proxy(coordinated([a], etcd))
+    coord = p.app[COORD]
+    assert await until(lambda: coord.watching, 5)
+
+    async def down() -> dict[str, int]:
+        raise EtcdError("no etcd endpoint answered /v3/kv/range")
+
+    monkeypatch.setattr(coord, "weights", down)
+    coord.watching = False  # polled, as while the watch is down ...
+    coord._changed(["weights"])  # ... from its next read on
+    await asyncio.sleep(1.0)
+    unread = [r for r in caplog.records if "weight overrides not read" in r.getMessage()]
+    assert len(unread) == 1, len(unread)
+    assert unread[0].exc_info is None and unread[0].levelno == logging.WARNING
+    monkeypatch.undo()
+    other = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        assert await weight_arrives(p, other, 0) < 1.0
+    finally:
+        await other.close()
