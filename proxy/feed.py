@@ -34,6 +34,8 @@ log = logging.getLogger("ftproxy.feed")
 
 K = TypeVar("K")
 
+MAX_STATUS = 64  # characters of a status kept: vLLM's are single words
+
 
 async def follow(
     wanted: Callable[[], set[K]],
@@ -65,8 +67,9 @@ def summarize(body: Any) -> tuple[str, dict[str, Any]]:
 
     A rank's API server normally manages one engine; if it lists several, the
     rank is healthy only when all are, else it takes the first other status.
-    Unknown statuses are kept verbatim (and so are not routable); an entry
-    that is no object is an engine whose status is unknown.
+    Unknown statuses are kept (lower-cased, their first MAX_STATUS
+    characters; a status that is no string is unknown) and so are not
+    routable; an entry that is no object is an engine whose status is unknown.
     """
     engines = body.get("engines") if isinstance(body, dict) else None
     if not isinstance(engines, list) or not engines:
@@ -74,7 +77,9 @@ def summarize(body: Any) -> tuple[str, dict[str, Any]]:
     for entry in engines:
         if not isinstance(entry, dict):
             return UNKNOWN, {"body": body}
-        status = str(entry.get("status", UNKNOWN)).lower()
+        status = entry.get("status", UNKNOWN)
+        # A word: it goes into log lines, /admin/ranks and /metrics labels.
+        status = status[:MAX_STATUS].lower() if isinstance(status, str) else UNKNOWN
         if status != HEALTHY:
             return status, entry
     return HEALTHY, engines[0]

@@ -54,6 +54,11 @@ def test_summarize_tolerates_shapes_and_unknown_statuses() -> None:
     assert summarize({"engines": []})[0] == "unknown"
     assert summarize(["nonsense"])[0] == "unknown"
     assert summarize({"engines": [{"id": 0, "status": "rebooting"}]})[0] == "rebooting"
+    # A status is a word: one of a megabyte went into every held stream's log
+    # line, /admin/ranks and /metrics as it was.
+    status, _ = summarize({"engines": [{"status": "Healthy" + "x" * (1 << 20)}]})
+    assert status.startswith("healthyx") and len(status) <= 64
+    assert summarize({"engines": [{"status": {"a": 1}}]})[0] == "unknown"
     # An engine entry that is no object is an engine of unknown state: not healthy.
     for junk in (None, "healthy", 0, ["healthy"]):
         assert summarize({"engines": [{"status": "healthy"}, junk]})[0] == "unknown", junk
