@@ -48,7 +48,6 @@ def make_session(
     closed after ``upstream_idle_s``. ``tls``: for https:// ranks
     (proxy.tls.UpstreamTLS.context: a context, True for the system's, False
     to encrypt without verifying)."""
-    # No decompression so bytes reach the client exactly as the rank sent them.
     connector = aiohttp.TCPConnector(
         limit=0, limit_per_host=per_rank, keepalive_timeout=t.upstream_idle_s, ssl=tls,
         ttl_dns_cache=300, enable_cleanup_closed=True,
@@ -56,10 +55,19 @@ def make_session(
     # sock_connect, not connect: waiting for a free pooled connection is not a
     # rank failing to accept one.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.read_s)
+    # The proxy reads these answers itself, bounded as they are sent
+    # (proxy.bounded): it asks for them uncompressed and never inflates one,
+    # so a bomb cannot inflate past its bound before it is counted. aiohttp
+    # offers gzip unless told otherwise, and a rank that took the offer
+    # failed every poll.
     return aiohttp.ClientSession(
-        connector=connector, timeout=timeout, auto_decompress=False, trust_env=False,
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        trust_env=False,
+        headers={"Accept-Encoding": "identity"},
         cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies of its own
-    )  # fmt: skip
+    )
 
 
 def request_headers(

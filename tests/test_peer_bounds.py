@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import sys
 import time
@@ -262,5 +263,40 @@ async def test_a_huge_model_list_costs_an_unknown_model_request_little(fakes, pr
         body = {"model": ids[-1], "prompt": "x", "max_tokens": 1}
         async with http.post(p.url + "/v1/completions", json=body) as r:
             assert r.status == 200
+    finally:
+        await a.stop()
+
+
+@dataclass
+class Compressing(FakeRank):
+    """A fake rank behind a compressing sidecar: gzip whenever it is accepted."""
+
+    async def _gzip(self, request: web.Request, answer: web.Response) -> web.Response:
+        if "gzip" not in request.headers.get("Accept-Encoding", "") or answer.text is None:
+            return answer
+        body = gzip.compress(answer.text.encode())
+        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        return web.Response(body=body, status=answer.status, headers=headers)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return await self._gzip(request, await super()._status(request))
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return await self._gzip(request, await super()._models(request))
+
+
+async def test_answers_the_proxy_reads_itself_are_asked_for_uncompressed(proxy, http) -> None:
+    # aiohttp offers gzip unless told otherwise, and these answers are never
+    # inflated (a bomb would inflate past its bound before it is counted): a
+    # rank that took the offer failed every poll, a healthy rank not routable.
+    a = Compressing(name="a", served="m-a")
+    await a.start()
+    try:
+        p = await proxy(replicas([a]), wait_routable=False)
+        table = p.app[TABLE]
+        assert await table.wait_for(lambda: table.ranks["a"].routable, 3), table.ranks["a"].reason
+        assert await table.wait_for(lambda: table.ranks["a"].models == {"m-a"}, 3)
+        async with http.get(p.url + "/v1/models") as r:
+            assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == ["m-a"]
     finally:
         await a.stop()
