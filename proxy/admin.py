@@ -60,9 +60,14 @@ async def _at_leader(request: web.Request) -> web.Response | None:
     try:
         async with (
             aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path))) as s,
-            s.request(request.method, "http://leader" + request.path_qs,
-                      data=body, headers=headers, timeout=timeout) as r,
-        ):  # fmt: skip
+            s.request(
+                request.method,
+                "http://leader" + request.path_qs,
+                data=body,
+                headers=headers,
+                timeout=timeout,
+            ) as r,
+        ):
             return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
     except (aiohttp.ClientError, OSError) as e:
         raise NoLeader(f"the recovery leader did not answer ({type(e).__name__}); retry") from None
@@ -159,11 +164,18 @@ async def scale_down(request: web.Request) -> web.Response:
     params: dict[str, Any] = {"removed_dp_ranks": sorted(by_name[n].dp_rank for n in body.removed)}
     if min(r.dp_rank for r in group) in params["removed_dp_ranks"]:
         if body.dp_master_ip is None or body.dp_store_port is None:
-            raise BadRequest("removing the lowest rank (the store master) needs "
-                             "dp_master_ip and dp_store_port")  # fmt: skip
+            raise BadRequest(
+                "removing the lowest rank (the store master) needs dp_master_ip and dp_store_port"
+            )
         params.update(dp_master_ip=body.dp_master_ip, dp_store_port=body.dp_store_port)
-    spec = RoundSpec(body.group, "scale_down", params, [r.name for r in survivors],
-                     body.wait_unhealthy_s, body.recover_s)  # fmt: skip
+    spec = RoundSpec(
+        body.group,
+        "scale_down",
+        params,
+        [r.name for r in survivors],
+        body.wait_unhealthy_s,
+        body.recover_s,
+    )
     report = await request.app[COORD].run_round(spec, "admin")
     if report.outcome == RECOVERED:
         for name in body.removed:  # stop routing to the removed ranks

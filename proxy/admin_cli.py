@@ -45,9 +45,16 @@ def rank_table(ranks: list[dict[str, Any]]) -> Table:
         heard = f"{now - r['last_heard']:.1f}s ago" if r["last_heard"] else "never"
         # Why a rank takes no new requests, e.g. a faulted peer of its group.
         note = r.get("fault_info") or r.get("unroutable_reason") or ""
-        table.add_row(r["group"], r["name"], f"[{style}]{r['status']}[/]",
-                      "yes" if r["routable"] else "no", str(r["weight"]), str(r["in_flight"]),
-                      heard, note or "")  # fmt: skip
+        table.add_row(
+            r["group"],
+            r["name"],
+            f"[{style}]{r['status']}[/]",
+            "yes" if r["routable"] else "no",
+            str(r["weight"]),
+            str(r["in_flight"]),
+            heard,
+            note or "",
+        )
     return table
 
 
@@ -78,8 +85,11 @@ async def retry(client: AdminClient, group: str, wait_s: float, recover_s: float
         with console.status(f"retry round for group {group}") as spinner:
             while not round_.done():
                 _, ranks = await client.call(http, "GET", "/admin/ranks")
-                states = ", ".join(f"{r['name']}={r['status']}" for r in ranks.get("ranks", [])
-                                   if r["group"] == group)  # fmt: skip
+                states = ", ".join(
+                    f"{r['name']}={r['status']}"
+                    for r in ranks.get("ranks", [])
+                    if r["group"] == group
+                )
                 spinner.update(f"retry round for group {group}: {states}")
                 await asyncio.wait([round_], timeout=0.5)
         code, report = await round_

@@ -55,7 +55,7 @@ from proxy.state import (
     SETTINGS,
     TABLE,
     TRACING,
-)  # fmt: skip
+)
 from proxy.supervise import supervised
 from proxy.target import parse_forward, target_guard
 from proxy.upstream import make_rank_client, make_session, request_headers
@@ -114,8 +114,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         resp = await handler(request)
     except ProxyError as err:
-        log.info("[%s] %s %s -> %d %s", request_id, request.method, request.path,
-                 err.status, err.message)  # fmt: skip
+        log.info(
+            "[%s] %s %s -> %d %s", request_id, request.method, request.path, err.status, err.message
+        )
         resp = _refusal(request, err)
         if err.close_connection:
             resp.force_close()
@@ -133,8 +134,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         raise  # the client left: nothing to answer (counted by the access middleware)
     except Exception:
         # A bug of ours: never a text/plain 500, never a traceback to the client.
-        log.exception("[%s] %s %s -> 500 internal error", request_id, request.method,
-                      request.path)  # fmt: skip
+        log.exception("[%s] %s %s -> 500 internal error", request_id, request.method, request.path)
         request.app[METRICS].internal_errors.inc()
         if PREPARED in request:  # the answer has begun: cut it so the client sees it
             if request.transport is not None:
@@ -172,15 +172,29 @@ async def proxy_v1(request: web.Request) -> web.StreamResponse:
     resource = request.match_info.route.resource
     assert resource is not None  # registered on plain resources only
     reply = AioReply(request)
-    await forward_v1(request.app, reply, request.method, resource.canonical, request.headers,
-                     body, parsed, request[REQUEST_ID])  # fmt: skip
+    await forward_v1(
+        request.app,
+        reply,
+        request.method,
+        resource.canonical,
+        request.headers,
+        body,
+        parsed,
+        request[REQUEST_ID],
+    )
     return reply.answer()
 
 
 async def forward_v1(
-    app: web.Application, reply: Reply, method: str, path: str,
-    headers: Mapping[str, str], body: bytes, parsed: dict[str, Any], request_id: str,
-) -> None:  # fmt: skip
+    app: web.Application,
+    reply: Reply,
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    parsed: dict[str, Any],
+    request_id: str,
+) -> None:
     """A serving request whose body is read (and, if JSON, parsed): checked,
     then to a healthy rank. Both listener paths (aiohttp's, proxy.fastlane) end here."""
     if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
@@ -210,8 +224,9 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     ok = request.app[TABLE].any_routable()
-    return web.json_response({"status": "ok" if ok else "no routable rank"},
-                             status=200 if ok else 503)  # fmt: skip
+    return web.json_response(
+        {"status": "ok" if ok else "no routable rank"}, status=200 if ok else 503
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -281,8 +296,9 @@ async def _auto_recovery(app: web.Application) -> None:
     # Only a group's leader starts its rounds: one fault, one round, however
     # many processes watch the same ranks (each group waits for its own).
     coord = app[COORD]
-    await AutoRecovery(app[RECOVERY], coord.wait_leader, coord.run_round,
-                       coord.wait_round_idle).run()  # fmt: skip
+    await AutoRecovery(
+        app[RECOVERY], coord.wait_leader, coord.run_round, coord.wait_round_idle
+    ).run()
 
 
 async def _coordinate(app: web.Application) -> None:

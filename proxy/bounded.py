@@ -94,8 +94,14 @@ class Bound:
             if len(self._logged) > 256:
                 self._logged.clear()  # addresses come and go with reloads
             self._logged[url] = now
-            log.warning("%s answer from %s over its bound of %d bytes (%s): refused, unread "
-                        "(logged once a minute)", self.peer, url, self.max_bytes, seen)  # fmt: skip
+            log.warning(
+                "%s answer from %s over its bound of %d bytes (%s): refused, unread "
+                "(logged once a minute)",
+                self.peer,
+                url,
+                self.max_bytes,
+                seen,
+            )
         return TooLarge(f"{self.peer} answer over {self.max_bytes} bytes ({seen})")
 
 

@@ -51,8 +51,9 @@ _MAX_HEAD = 8190
 _MAX_LINE = 128  # the lane's request lines are shorter
 _MAX_HEADERS = 64
 # Headers whose requests the fast lane leaves to aiohttp (lower case).
-_AIOHTTP_ONLY = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"content-encoding",
-                           b"sec-websocket-key1"})  # fmt: skip
+_AIOHTTP_ONLY = frozenset(
+    {b"transfer-encoding", b"expect", b"upgrade", b"content-encoding", b"sec-websocket-key1"}
+)
 # Headers aiohttp's parser refuses to see twice in a request (lower case).
 _SINGLETONS = frozenset(h.encode() for h in SINGLETON_HEADERS)
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
@@ -323,8 +324,9 @@ class Lane:
         if req.body_late == "gone":
             raise ConnectionResetError("the client left before its body came")
         parsed = parse_object(req.body)
-        await forward_v1(self.app, reply, "POST", req.path, req.headers, req.body, parsed,
-                         request_id)  # fmt: skip
+        await forward_v1(
+            self.app, reply, "POST", req.path, req.headers, req.body, parsed, request_id
+        )
 
 
 def _valid_so_far(part: bytes) -> bool:

@@ -104,8 +104,13 @@ class Poller:
         self._no_ft: set[str] = set()  # ranks whose FT endpoint answered 404
 
     async def run(self) -> None:
-        await follow(lambda: set(self.table.ranks), self._poll_forever, self.t.poll_interval_s,
-                     "poller", self.restarts)  # fmt: skip
+        await follow(
+            lambda: set(self.table.ranks),
+            self._poll_forever,
+            self.t.poll_interval_s,
+            "poller",
+            self.restarts,
+        )
 
     async def _poll_forever(self, name: str) -> None:
         while (rank := self.table.ranks.get(name)) is not None:
@@ -150,8 +155,9 @@ class PushFeed:
         def feeds() -> set[tuple[str, str]]:
             return {(r.name, r.status_feed) for r in self.table if r.status_feed}
 
-        await follow(feeds, lambda key: self._subscribe(*key), 1.0, "push-feed",
-                     self.metrics.task_restarts)  # fmt: skip
+        await follow(
+            feeds, lambda key: self._subscribe(*key), 1.0, "push-feed", self.metrics.task_restarts
+        )
 
     async def _subscribe(self, name: str, address: str) -> None:
         import zmq

@@ -60,9 +60,11 @@ def parse(frames: list[bytes]) -> FeedMessage:
         raise Dropped("ts")
     engines = body.get("engines")
     if (
-        not isinstance(engines, list) or not engines or len(engines) > 1024
+        not isinstance(engines, list)
+        or not engines
+        or len(engines) > 1024
         or not all(isinstance(e, dict) and isinstance(e.get("status"), str) for e in engines)
-    ):  # fmt: skip
+    ):
         raise Dropped("engines")
     return FeedMessage(kind, boot_id, seq, float(ts), engines)
 

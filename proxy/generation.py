@@ -69,9 +69,13 @@ def _echoes(kind: str, body: dict[str, Any]) -> bool:
 
 
 async def _stream(
-    relay: Relay, out: Outbound, book: Book, refused: Refusal | None,
-    reply: Reply, attempt: Attempt,
-) -> None:  # fmt: skip
+    relay: Relay,
+    out: Outbound,
+    book: Book,
+    refused: Refusal | None,
+    reply: Reply,
+    attempt: Attempt,
+) -> None:
     up = attempt.response
     _check_encoding(up)
     if up.status != 200 or up.content_type != "text/event-stream":
@@ -82,9 +86,13 @@ async def _stream(
 
 
 async def _whole(
-    relay: Relay, out: Outbound, book: Book, refused: Refusal | None,
-    reply: Reply, attempt: Attempt,
-) -> None:  # fmt: skip
+    relay: Relay,
+    out: Outbound,
+    book: Book,
+    refused: Refusal | None,
+    reply: Reply,
+    attempt: Attempt,
+) -> None:
     up = attempt.response
     _check_encoding(up)
     try:
@@ -120,8 +128,11 @@ def _not_json(relay: Relay, attempt: Attempt) -> NoReturn:
     not an answer: passed on, the client would fail to parse a success."""
     name = attempt.rank.name
     relay.metrics.upstream_errors.labels(name, "bad_response").inc()
-    log.warning("[%s] rank %s answered 200 with a body that is not a JSON object",
-                accesslog.request_id() or "-", name)  # fmt: skip
+    log.warning(
+        "[%s] rank %s answered 200 with a body that is not a JSON object",
+        accesslog.request_id() or "-",
+        name,
+    )
     raise UpstreamFailed(f"rank {name} answered 200 with a body that is not a JSON object")
 
 
@@ -131,8 +142,10 @@ def _check_encoding(up: RankResponse) -> None:
     encoding = (up.header(b"content-encoding") or "identity").strip().lower()
     if encoding not in ("identity", ""):
         up.close()
-        raise UpstreamFailed(f"the rank answered with Content-Encoding {encoding!r}, which the "
-                             "proxy does not read; it asks ranks for identity")  # fmt: skip
+        raise UpstreamFailed(
+            f"the rank answered with Content-Encoding {encoding!r}, which the "
+            "proxy does not read; it asks ranks for identity"
+        )
 
 
 def _tokens(book: Book) -> tuple[int | None, int | None]:

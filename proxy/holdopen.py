@@ -50,9 +50,12 @@ FINISHED, ABORTED, UPSTREAM_ERROR = "finished", "aborted", "upstream error"
 INCOMPLETE = "ended without a finish reason"
 
 # StreamFailed codes as the access log names the end.
-_ENDS = {"hold_timeout": End.HOLD_TIMEOUT, "budget_exceeded": End.HOLD_TIMEOUT,
-         "stream_aborted": End.NOT_CONTINUED,
-         "continuation_failed": End.UPSTREAM_ERROR}  # fmt: skip
+_ENDS = {
+    "hold_timeout": End.HOLD_TIMEOUT,
+    "budget_exceeded": End.HOLD_TIMEOUT,
+    "stream_aborted": End.NOT_CONTINUED,
+    "continuation_failed": End.UPSTREAM_ERROR,
+}
 
 
 # How much of a refused continuation's body is read for the log, and for how
@@ -323,9 +326,13 @@ class HeldStream:
         poll or push says otherwise (the table may not know yet)."""
         if self.rank is not None:
             self.relay.table.observe(
-                self.rank.name, None, "relay", reachable=True, status=UNHEALTHY,
+                self.rank.name,
+                None,
+                "relay",
+                reachable=True,
+                status=UNHEALTHY,
                 detail={"status": UNHEALTHY, "fault_info": "stream aborted"},
-            )  # fmt: skip
+            )
 
     def _fault(self, reason: str) -> str:
         self._hold(reason)
@@ -348,15 +355,20 @@ class HeldStream:
         if self.relay.held > self.relay.settings.limits.max_held_streams:
             raise StreamFailed(
                 f"the proxy holds its maximum of {self.relay.settings.limits.max_held_streams} "
-                "streams; retry", "hold_capacity")  # fmt: skip
+                "streams; retry",
+                "hold_capacity",
+            )
         refused = self.refused or self.book.refusal_now()
         if refused is not None:
             raise StreamFailed(
                 f"the engine aborted this request and it cannot be continued exactly "
-                f"({refused.message}); retry it", refused.code)  # fmt: skip
+                f"({refused.message}); retry it",
+                refused.code,
+            )
         if not self.book.can_continue():
-            raise StreamFailed("the engine aborted this request before its prompt was known",
-                               "stream_aborted")  # fmt: skip
+            raise StreamFailed(
+                "the engine aborted this request before its prompt was known", "stream_aborted"
+            )
         failures = 0
         while (remaining := self._hold_left()) > 0:
             if self.budget.sends_left() == 0:
@@ -378,8 +390,15 @@ class HeldStream:
                 raw = orjson.dumps(body)
             except orjson.JSONEncodeError as e:  # checked up front; never die silently
                 raise StreamFailed(f"the continuation cannot be sent: {e}", "unserializable") from e
-            out = Outbound("POST", path, self.out.headers, raw, self.out.request_id,
-                           max_sent=self.budget.sends_left(), model=self.out.model)  # fmt: skip
+            out = Outbound(
+                "POST",
+                path,
+                self.out.headers,
+                raw,
+                self.out.request_id,
+                max_sent=self.budget.sends_left(),
+                model=self.out.model,
+            )
             try:
                 # A rank that faults before answering holds the request: bound it.
                 async with asyncio.timeout(remaining):
@@ -399,15 +418,21 @@ class HeldStream:
                     self.access.continuations += 1
                 kind = "restart" if self.book.restarted else "continuation"
                 self.metrics.splices.labels(kind).inc()
-                log.info("[%s] abort + %s on %s after %d tokens (%d sent again as text only)",
-                         self.out.request_id, kind, attempt.rank.name, len(self.book.generated),
-                         len(self.book.replay))  # fmt: skip
+                log.info(
+                    "[%s] abort + %s on %s after %d tokens (%d sent again as text only)",
+                    self.out.request_id,
+                    kind,
+                    attempt.rank.name,
+                    len(self.book.generated),
+                    len(self.book.replay),
+                )
                 return attempt
             await self._continuation_refused(attempt)
         if self.budget.hold_left(self._held_now()) <= 0:
             raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
-        raise StreamFailed(f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s",
-                           "hold_timeout")  # fmt: skip
+        raise StreamFailed(
+            f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s", "hold_timeout"
+        )
 
     async def _ask(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         """A side request (``/detokenize``, ``/v1/models``: pure, so safe to
@@ -424,15 +449,22 @@ class HeldStream:
             wait = backoff_s(failures)
             if wait >= min(self._hold_left(), deadline - time.monotonic()):
                 return status, raw
-            log.info("[%s] %s %s answered %d; asking again in %.2fs", self.out.request_id,
-                     method, path, status, wait)  # fmt: skip
+            log.info(
+                "[%s] %s %s answered %d; asking again in %.2fs",
+                self.out.request_id,
+                method,
+                path,
+                status,
+                wait,
+            )
             await asyncio.sleep(wait)
 
     async def _ask_once(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         """A side request to any routable rank, within the hold. Not the
         client's request: the access log does not list its rank."""
-        out = Outbound(method, path, self.out.headers, body, self.out.request_id,
-                       model=self.out.model)  # same model, same tokenizer  # fmt: skip
+        out = Outbound(
+            method, path, self.out.headers, body, self.out.request_id, model=self.out.model
+        )  # same model, same tokenizer
         token = accesslog.CURRENT.set(None)
         id_token = accesslog.REQUEST_ID.set(self.out.request_id)  # its logs still say whose
         try:
@@ -440,8 +472,10 @@ class HeldStream:
                 attempt = await self.relay.open(out, queue_s=self._hold_left())
                 return attempt.response.status, await self.relay.read_whole(attempt)
         except TimeoutError as e:
-            raise StreamFailed(f"no rank could continue the stream within "
-                               f"{self.cfg.timeout_s:.0f}s", "hold_timeout") from e  # fmt: skip
+            raise StreamFailed(
+                f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s",
+                "hold_timeout",
+            ) from e
         except (ProxyError, ConnectionError, BadResponse) as e:
             return 503, str(e).encode()
         finally:
@@ -478,14 +512,24 @@ class HeldStream:
         status, text = attempt.response.status, await _error_text(attempt.response)
         attempt.response.release()
         self.metrics.continuation_failures.inc()
-        log.warning("[%s] continuation on %s answered %d: %s", self.out.request_id,
-                    attempt.rank.name, status, text[:300])  # fmt: skip
+        log.warning(
+            "[%s] continuation on %s answered %d: %s",
+            self.out.request_id,
+            attempt.rank.name,
+            status,
+            text[:300],
+        )
         if status < 500:
             raise StreamFailed(f"the continuation was refused ({status})", "continuation_failed")
         # Route around it until a newer poll says otherwise; back off, then
         # try wherever is healthy.
-        self.relay.table.observe(attempt.rank.name, None, "relay", reachable=False,
-                                 reason=f"a continuation was answered {status}")  # fmt: skip
+        self.relay.table.observe(
+            attempt.rank.name,
+            None,
+            "relay",
+            reachable=False,
+            reason=f"a continuation was answered {status}",
+        )
 
     def _held_now(self) -> float:
         return time.monotonic() - self.held_since if self.held_since is not None else 0.0
@@ -506,8 +550,13 @@ class HeldStream:
         self.metrics.streams_held.inc()
         if self.access is not None:
             self.access.holds += 1
-        log.info("[%s] stream held: %s (rank %s, %d tokens so far)", self.out.request_id, reason,
-                 self.rank.name if self.rank else "-", len(self.book.generated))  # fmt: skip
+        log.info(
+            "[%s] stream held: %s (rank %s, %d tokens so far)",
+            self.out.request_id,
+            reason,
+            self.rank.name if self.rank else "-",
+            len(self.book.generated),
+        )
 
     def _unhold(self, mode: str | None) -> None:
         if self.held_since is None:
@@ -527,8 +576,13 @@ class HeldStream:
         if mode is not None:
             self.metrics.resumes.labels(mode).inc()
             how = "the engine" if mode == "engine" else "the continuation (abort + continuation)"
-            log.info("[%s] stream resumed by %s after %.1fs on hold (%s)",
-                     self.out.request_id, how, held_s, self.hold_reason)  # fmt: skip
+            log.info(
+                "[%s] stream resumed by %s after %.1fs on hold (%s)",
+                self.out.request_id,
+                how,
+                held_s,
+                self.hold_reason,
+            )
 
     async def _watch(self) -> None:
         """Notice stalls and unhealthy ranks; keep a held client alive."""
@@ -568,8 +622,9 @@ class HeldStream:
         fault reaches the rank table a moment before or after."""
         timeouts = self.relay.settings.timeouts
         window = max(2 * timeouts.poll_interval_s, 0.5)
-        if not await self.relay.table.wait_for(lambda: self._faulted_in_group() is not None,
-                                               window):  # fmt: skip
+        if not await self.relay.table.wait_for(
+            lambda: self._faulted_in_group() is not None, window
+        ):
             return False
         faulted = self._faulted_in_group()
         name = faulted.name if faulted is not None else "?"

@@ -291,8 +291,7 @@ class OpenAIErrorsHandler(RequestHandler):
         return False
 
     def _arm_body_timer(self, lane: Lane) -> None:
-        self._body_timer = self._loop.call_later(self.limits.body_timeout_s,
-                                                 self._body_timeout)  # fmt: skip
+        self._body_timer = self._loop.call_later(self.limits.body_timeout_s, self._body_timeout)
         # In flight from its headers on, as on aiohttp's path: a graceful stop
         # gives it the grace period for its body, then answers it 503.
         entry = self._body_wait = lane.drain.enter()
@@ -376,8 +375,9 @@ class OpenAIErrorsHandler(RequestHandler):
             transport.close()
             return
         self._between_requests = True
-        self._keepalive_handle = self._loop.call_later(self._keepalive_timeout,
-                                                       self._process_keepalive)  # fmt: skip
+        self._keepalive_handle = self._loop.call_later(
+            self._keepalive_timeout, self._process_keepalive
+        )
         self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
         pending, self._lane_pending = self._lane_pending, b""
         transport.resume_reading()
@@ -511,8 +511,16 @@ class TLSSite(web.TCPSite):
     connects and never speaks TLS would hold a descriptor that long.
     """
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, *, ssl_context: SSLContext,
-                 handshake_s: float, backlog: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        *,
+        ssl_context: SSLContext,
+        handshake_s: float,
+        backlog: int,
+    ) -> None:
         super().__init__(runner, host, port, ssl_context=ssl_context, backlog=backlog)
         self.handshake_s = handshake_s
 
@@ -521,10 +529,15 @@ class TLSSite(web.TCPSite):
         server = self._runner.server
         assert server is not None
         self._server = await asyncio.get_running_loop().create_server(
-            server, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
-            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+            server,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
             ssl_handshake_timeout=self.handshake_s,
-        )  # fmt: skip
+        )
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
 
@@ -532,8 +545,14 @@ class TLSSite(web.TCPSite):
 class TLSSockSite(web.SockSite):
     """TLSSite on a socket shared with other workers (proxy.supervisor)."""
 
-    def __init__(self, runner: web.AppRunner, sock: socket.socket, *, ssl_context: SSLContext,
-                 handshake_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        sock: socket.socket,
+        *,
+        ssl_context: SSLContext,
+        handshake_s: float,
+    ) -> None:
         super().__init__(runner, sock, ssl_context=ssl_context)
         self.handshake_s = handshake_s
 
@@ -542,6 +561,9 @@ class TLSSockSite(web.SockSite):
         server = self._runner.server
         assert server is not None
         self._server = await asyncio.get_running_loop().create_server(
-            server, sock=self._sock, ssl=self._ssl_context, backlog=self._backlog,
+            server,
+            sock=self._sock,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
             ssl_handshake_timeout=self.handshake_s,
-        )  # fmt: skip
+        )

@@ -22,9 +22,11 @@ Format = Literal["text", "json"]
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         obj: dict[str, object] = {
-            "ts": accesslog.iso(record.created), "level": record.levelname,
-            "logger": record.name, "msg": record.getMessage(),
-        }  # fmt: skip
+            "ts": accesslog.iso(record.created),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         request_id = accesslog.request_id()
         if request_id is not None:
             obj["request_id"] = request_id

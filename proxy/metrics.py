@@ -50,8 +50,9 @@ class _RankStatusCollector(Collector):
         )
         heartbeat = GaugeMetricFamily(
             "ftproxy_feed_heartbeat_age_seconds",
-            "Seconds since the rank's status feed was last heard", labels=["rank"],
-        )  # fmt: skip
+            "Seconds since the rank's status feed was last heard",
+            labels=["rank"],
+        )
         now = time.time()
         for r in self.table:
             if r.status_feed and r.pushed_at:
@@ -75,13 +76,17 @@ class Metrics:
         self._children: dict[tuple[object, tuple[str, ...]], object] = {}
         r = self.registry
         self.task_restarts = Counter(
-            "ftproxy_task_restarts", "Background tasks restarted after dying, by task",
-            ["task"], registry=r,
-        )  # fmt: skip
+            "ftproxy_task_restarts",
+            "Background tasks restarted after dying, by task",
+            ["task"],
+            registry=r,
+        )
         self.feed_dropped = Counter(
-            "ftproxy_feed_messages_dropped", "Status-feed messages dropped unread, by reason",
-            ["reason"], registry=r,
-        )  # fmt: skip
+            "ftproxy_feed_messages_dropped",
+            "Status-feed messages dropped unread, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.too_large = Counter(
             "ftproxy_peer_answers_too_large",
             "Answers of ranks and etcd the proxy reads for itself refused over their size "
@@ -97,96 +102,135 @@ class Metrics:
             registry=r,
         )
         self.requests = Counter(
-            "ftproxy_requests", "Requests answered, by rank and HTTP code",
-            ["rank", "code"], registry=r,
-        )  # fmt: skip
+            "ftproxy_requests",
+            "Requests answered, by rank and HTTP code",
+            ["rank", "code"],
+            registry=r,
+        )
         self.upstream_errors = Counter(
-            "ftproxy_upstream_errors", "Attempts that failed before the first byte",
-            ["rank", "kind"], registry=r,
-        )  # fmt: skip
+            "ftproxy_upstream_errors",
+            "Attempts that failed before the first byte",
+            ["rank", "kind"],
+            registry=r,
+        )
         self.latency = Histogram(
-            "ftproxy_upstream_latency_seconds", "Upstream request duration, to the last byte",
-            ["rank"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "ftproxy_upstream_latency_seconds",
+            "Upstream request duration, to the last byte",
+            ["rank"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.ttfb = Histogram(
-            "ftproxy_upstream_ttfb_seconds", "Upstream time to first byte",
-            ["rank"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "ftproxy_upstream_ttfb_seconds",
+            "Upstream time to first byte",
+            ["rank"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queued = Gauge(
-            "ftproxy_queued_requests", "Requests waiting for a healthy rank", registry=r,
+            "ftproxy_queued_requests",
+            "Requests waiting for a healthy rank",
+            registry=r,
             multiprocess_mode="livesum",
-        )  # fmt: skip
+        )
         self.no_rank = Counter(
             "ftproxy_no_healthy_rank", "Requests answered 503: no healthy rank in time", registry=r
         )
         self.push_delay = Histogram(
-            "ftproxy_push_delay_seconds", "Status change published -> in the rank table",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r,
-        )  # fmt: skip
+            "ftproxy_push_delay_seconds",
+            "Status change published -> in the rank table",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
         self.streams_held = Gauge(
-            "ftproxy_streams_held", "Client streams on hold through a fault now", registry=r,
+            "ftproxy_streams_held",
+            "Client streams on hold through a fault now",
+            registry=r,
             multiprocess_mode="livesum",
-        )  # fmt: skip
+        )
         self.hold_seconds = Histogram(
-            "ftproxy_hold_seconds", "How long streams were held", registry=r,
+            "ftproxy_hold_seconds",
+            "How long streams were held",
+            registry=r,
             buckets=(0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
-        )  # fmt: skip
+        )
         self.resumes = Counter(
-            "ftproxy_stream_resumes", "Held streams that went on, by mode (engine|continuation)",
-            ["mode"], registry=r,
-        )  # fmt: skip
+            "ftproxy_stream_resumes",
+            "Held streams that went on, by mode (engine|continuation)",
+            ["mode"],
+            registry=r,
+        )
         self.splices = Counter(
-            "ftproxy_splices", "Requests sent after an abort, by kind: continuation (prompt "
-            "plus generated ids) or restart (nothing generated yet)", ["kind"], registry=r,
-        )  # fmt: skip
+            "ftproxy_splices",
+            "Requests sent after an abort, by kind: continuation (prompt "
+            "plus generated ids) or restart (nothing generated yet)",
+            ["kind"],
+            registry=r,
+        )
         self.continuation_failures = Counter(
             "ftproxy_continuation_failures", "Continuation requests a rank refused", registry=r
         )
         self.recovery_rounds = Counter(
-            "ftproxy_recovery_rounds", "Recovery rounds by group, outcome and trigger",
-            ["group", "outcome", "trigger"], registry=r,
-        )  # fmt: skip
+            "ftproxy_recovery_rounds",
+            "Recovery rounds by group, outcome and trigger",
+            ["group", "outcome", "trigger"],
+            registry=r,
+        )
         self.auto_recovery = Counter(
-            "ftproxy_auto_recovery_decisions", "Automatic recovery decisions by group",
-            ["group", "decision"], registry=r,
-        )  # fmt: skip
+            "ftproxy_auto_recovery_decisions",
+            "Automatic recovery decisions by group",
+            ["group", "decision"],
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "ftproxy_queue_wait_seconds",
             "Time requests waited for a healthy rank (those that had to)",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
-        )  # fmt: skip
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
         self.continuations = Histogram(
-            "ftproxy_continuations_per_stream", "Continuations each held-open stream needed",
-            buckets=(0, 1, 2, 3, 5, 10), registry=r,
-        )  # fmt: skip
+            "ftproxy_continuations_per_stream",
+            "Continuations each held-open stream needed",
+            buckets=(0, 1, 2, 3, 5, 10),
+            registry=r,
+        )
         self.upstream_requests = Histogram(
             "ftproxy_upstream_requests_per_request",
             "Upstream requests one client request caused: first try, failovers, resends, "
             "continuations (bounded by limits.upstream_retries and hold.max_continuations)",
-            buckets=(0, 1, 2, 3, 5, 9, 17, 33), registry=r,
-        )  # fmt: skip
+            buckets=(0, 1, 2, 3, 5, 9, 17, 33),
+            registry=r,
+        )
         self.refusals = Counter(
-            "ftproxy_refusals", "Requests the proxy answered with an error itself, by reason",
-            ["reason"], registry=r,
-        )  # fmt: skip
+            "ftproxy_refusals",
+            "Requests the proxy answered with an error itself, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.stream_errors = Counter(
-            "ftproxy_stream_errors", "Streams the proxy ended with an error event of its own, "
+            "ftproxy_stream_errors",
+            "Streams the proxy ended with an error event of its own, "
             "by reason (hold_capacity, budget_exceeded, hold_timeout, upstream_incomplete, ...)",
-            ["reason"], registry=r,
-        )  # fmt: skip
+            ["reason"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "ftproxy_client_disconnects", "Clients that left before their answer ended", registry=r
         )
         self.internal_errors = Counter(
-            "ftproxy_internal_errors", "Requests answered 500 because of a bug in the proxy",
+            "ftproxy_internal_errors",
+            "Requests answered 500 because of a bug in the proxy",
             registry=r,
-        )  # fmt: skip
+        )
         self._table_collector = _RankStatusCollector(table, in_flight=not self.multiprocess)
         r.register(self._table_collector)
         self.in_flight = Gauge(
-            "ftproxy_in_flight", "Requests in flight to the rank", ["rank"],
-            multiprocess_mode="livesum", registry=None,
-        )  # fmt: skip
+            "ftproxy_in_flight",
+            "Requests in flight to the rank",
+            ["rank"],
+            multiprocess_mode="livesum",
+            registry=None,
+        )
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, looked up once per label set: the relay

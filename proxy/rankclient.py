@@ -123,8 +123,11 @@ class _Conn(asyncio.Protocol):
             # garbage) are never read as the next request's answer: the
             # connection closes; the complete answer stands.
             if not resp.complete:
-                what = ("a protocol switch (101)" if isinstance(e, httptools.HttpParserUpgrade)
-                        else f"not valid HTTP: {e}")  # fmt: skip
+                what = (
+                    "a protocol switch (101)"
+                    if isinstance(e, httptools.HttpParserUpgrade)
+                    else f"not valid HTTP: {e}"
+                )
                 resp._fail(BadResponse(f"the rank's answer is {what}"))
             self.close()
             return
@@ -182,8 +185,7 @@ class _Conn(asyncio.Protocol):
             self.interim, self.headers = True, []
             return
         self.in_body = True
-        resp._headers_in(status, self.headers,
-                         self.parser.should_keep_alive())  # fmt: skip
+        resp._headers_in(status, self.headers, self.parser.should_keep_alive())
         self.headers = []
 
     def on_body(self, body: bytes) -> None:
@@ -223,8 +225,9 @@ class _Conn(asyncio.Protocol):
         self.transport.write(data)
 
     def _arm_read(self) -> None:
-        self.read_handle = self.pool.loop.call_at(self.last_read + self.pool.read_s,
-                                                  self._read_check)  # fmt: skip
+        self.read_handle = self.pool.loop.call_at(
+            self.last_read + self.pool.read_s, self._read_check
+        )
 
     def _read_check(self) -> None:
         """Re-armed from the last read rather than reset on every read: one
@@ -552,9 +555,12 @@ class RankClient:
         try:
             async with asyncio.timeout(self.connect_s):
                 _, proto = await self.loop.create_connection(
-                    lambda: _Conn(self, key), host, port, ssl=ctx,
+                    lambda: _Conn(self, key),
+                    host,
+                    port,
+                    ssl=ctx,
                     server_hostname=host if tls else None,
-                )  # fmt: skip
+                )
         except BaseException:
             self._freed(key)
             raise

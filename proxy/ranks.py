@@ -102,17 +102,27 @@ class Rank:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "name": self.name, "url": self.url, "group": self.group, "dp_rank": self.dp_rank,
-            "weight": self.weight, "removed": self.removed, "status": self.status,
+            "name": self.name,
+            "url": self.url,
+            "group": self.group,
+            "dp_rank": self.dp_rank,
+            "weight": self.weight,
+            "removed": self.removed,
+            "status": self.status,
             "routable": self.routable,
-            "unroutable_reason": self.unroutable_reason, "reachable": self.reachable,
-            "reason": self.reason, "source": self.source,
-            "fault_info": self.fault_info, "detail": self.detail,
-            "in_flight": self.in_flight, "last_heard": self.last_heard,
+            "unroutable_reason": self.unroutable_reason,
+            "reachable": self.reachable,
+            "reason": self.reason,
+            "source": self.source,
+            "fault_info": self.fault_info,
+            "detail": self.detail,
+            "in_flight": self.in_flight,
+            "last_heard": self.last_heard,
             "models": sorted(self.models) if self.models is not None else None,
-            "push_delay_s": self.push_delay_s, "changed_by": self.changed_by,
+            "push_delay_s": self.push_delay_s,
+            "changed_by": self.changed_by,
             "changed_at": self.changed_at,
-        }  # fmt: skip
+        }
 
 
 def group_fault(group: Iterable[Rank]) -> Rank | None:

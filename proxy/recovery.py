@@ -40,8 +40,12 @@ from proxy.settings import Settings
 log = logging.getLogger("ftproxy.recovery")
 
 RECOVERED, FAILED, NOT_UNHEALTHY, RESTART_NEEDED, RUNNING = (
-    "recovered", "failed", "not_unhealthy", "restart_needed", "running",
-)  # fmt: skip
+    "recovered",
+    "failed",
+    "not_unhealthy",
+    "restart_needed",
+    "running",
+)
 
 
 @dataclass
@@ -86,7 +90,11 @@ class RoundSpec:
         mine = None if self.targets is None else sorted(self.targets)
         theirs = None if other.targets is None else sorted(other.targets)
         return (self.group, self.instruction, self.params, mine) == (
-            other.group, other.instruction, other.params, theirs)  # fmt: skip
+            other.group,
+            other.instruction,
+            other.params,
+            theirs,
+        )
 
 
 @dataclass
@@ -115,10 +123,16 @@ class Recovery:
     def rounds(self) -> list[dict[str, Any]]:
         """The latest round of every group that had one, running or ended."""
         return [
-            {"group": g, "active": not r.task.done(), "trigger": r.trigger,
-             "params": r.spec.params, "targets": r.spec.targets, "report": r.report.as_dict()}
+            {
+                "group": g,
+                "active": not r.task.done(),
+                "trigger": r.trigger,
+                "params": r.spec.params,
+                "targets": r.spec.targets,
+                "report": r.report.as_dict(),
+            }
             for g, r in sorted(self._rounds.items())
-        ]  # fmt: skip
+        ]
 
     def running(self, group: str) -> bool:
         return self.active(group) is not None
@@ -149,8 +163,9 @@ class Recovery:
             raise RoundInProgress(
                 f"round {current.report.round_id} ({current.spec.instruction}) is in progress "
                 f"for group {spec.group}; wait for it to end, then ask again",
-                current.report.round_id, current.spec.instruction,
-            )  # fmt: skip
+                current.report.round_id,
+                current.spec.instruction,
+            )
         return await asyncio.shield(current.task)
 
     async def wait_idle(self, group: str) -> None:
@@ -170,10 +185,16 @@ class Recovery:
         report.ranks = [RankReport(r.name, r.status, sent=already_sent) for r in ranks]
         started = time.monotonic()
         names = ", ".join(r.name for r in ranks)
-        log.info("round %s (%s, %s) for group %s: %s",
-                 report.round_id, spec.instruction, trigger, spec.group,
-                 "taken over after it was sent: watching only" if already_sent else
-                 f"waiting for {names} to be unhealthy")  # fmt: skip
+        log.info(
+            "round %s (%s, %s) for group %s: %s",
+            report.round_id,
+            spec.instruction,
+            trigger,
+            spec.group,
+            "taken over after it was sent: watching only"
+            if already_sent
+            else f"waiting for {names} to be unhealthy",
+        )
         if already_sent:
             await self._watch(ranks, spec, report)
         elif await self._precondition(ranks, spec, report):
@@ -188,8 +209,13 @@ class Recovery:
         for rr, rank in zip(report.ranks, ranks, strict=True):
             rr.status_after = rank.status
         self.metrics.recovery_rounds.labels(spec.group, report.outcome, trigger).inc()
-        log.info("round %s for group %s: %s %s", report.round_id, spec.group, report.outcome,
-                 report.message)  # fmt: skip
+        log.info(
+            "round %s for group %s: %s %s",
+            report.round_id,
+            spec.group,
+            report.outcome,
+            report.message,
+        )
         return report
 
     def _targets(self, spec: RoundSpec) -> list[Rank]:
@@ -213,17 +239,22 @@ class Recovery:
         laggards = [f"{r.name} is {r.status}" for r in ranks if r.status != UNHEALTHY]
         if laggards:
             report.outcome = NOT_UNHEALTHY
-            report.message = (f"not every rank got unhealthy within {spec.wait_unhealthy_s:g}s "
-                              f"({'; '.join(laggards)}); nothing sent")  # fmt: skip
+            report.message = (
+                f"not every rank got unhealthy within {spec.wait_unhealthy_s:g}s "
+                f"({'; '.join(laggards)}); nothing sent"
+            )
             return False
         return True
 
     async def _fan_out(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> None:
-        body = {"instruction": spec.instruction, "params": spec.params,
-                "request_id": report.round_id}  # fmt: skip
-        await asyncio.gather(*(
-            self._apply(rank, body, rr) for rank, rr in zip(ranks, report.ranks, strict=True)
-        ))  # fmt: skip
+        body = {
+            "instruction": spec.instruction,
+            "params": spec.params,
+            "request_id": report.round_id,
+        }
+        await asyncio.gather(
+            *(self._apply(rank, body, rr) for rank, rr in zip(ranks, report.ranks, strict=True))
+        )
 
     async def _apply(self, rank: Rank, body: dict[str, Any], rr: RankReport) -> None:
         url = rank.url + "/fault_tolerance/apply"

@@ -173,8 +173,11 @@ class Relay:
                 # A pooled connection the rank had closed (its keep-alive ran
                 # out as we reused it) is not a rank failure: send once more on
                 # a new connection, and judge the rank by that.
-                log.info("[%s] rank %s closed a pooled connection; resending on a new one",
-                         out.request_id, rank.name)  # fmt: skip
+                log.info(
+                    "[%s] rank %s closed a pooled connection; resending on a new one",
+                    out.request_id,
+                    rank.name,
+                )
                 out.sent += 1
                 resp = await self.client.request(out.method, url, out.headers, out.body, fresh=True)
         except _CONNECT_ERRORS as e:
@@ -206,8 +209,12 @@ class Relay:
             resp.close()
             failures.append(f"{rank.name}: redirect {resp.status}")
             self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
-            log.warning("[%s] rank %s answered a redirect (%d), which the proxy does not follow",
-                        out.request_id, rank.name, resp.status)  # fmt: skip
+            log.warning(
+                "[%s] rank %s answered a redirect (%d), which the proxy does not follow",
+                out.request_id,
+                rank.name,
+                resp.status,
+            )
             return None
         self.metrics.child(self.metrics.ttfb, rank.name).observe(time.monotonic() - started)
         return Attempt(rank, resp, started)
@@ -300,11 +307,16 @@ class Relay:
                 return await up.read(limit)
         except BodyTooLarge as e:
             self.metrics.upstream_errors.labels(attempt.rank.name, "body_too_large").inc()
-            log.warning("[%s] rank %s answered %d with a body over %d bytes",
-                        accesslog.request_id() or "-", attempt.rank.name, up.status,
-                        limit)  # fmt: skip
-            raise UpstreamFailed(f"rank {attempt.rank.name} answered {up.status} "
-                                 f"with a body over {limit} bytes") from e  # fmt: skip
+            log.warning(
+                "[%s] rank %s answered %d with a body over %d bytes",
+                accesslog.request_id() or "-",
+                attempt.rank.name,
+                up.status,
+                limit,
+            )
+            raise UpstreamFailed(
+                f"rank {attempt.rank.name} answered {up.status} with a body over {limit} bytes"
+            ) from e
         finally:
             up.release()
 
@@ -319,10 +331,16 @@ class Relay:
                 # The rank's failure, not the proxy's: a 502, never an
                 # internal error with a traceback.
                 self.metrics.upstream_errors.labels(attempt.rank.name, "body_lost").inc()
-                log.warning("[%s] rank %s: the answer's body was lost: %r",
-                            accesslog.request_id() or "-", attempt.rank.name, e)  # fmt: skip
-                raise UpstreamFailed(f"rank {attempt.rank.name}'s answer was lost before "
-                                     f"its end ({type(e).__name__})") from e  # fmt: skip
+                log.warning(
+                    "[%s] rank %s: the answer's body was lost: %r",
+                    accesslog.request_id() or "-",
+                    attempt.rank.name,
+                    e,
+                )
+                raise UpstreamFailed(
+                    f"rank {attempt.rank.name}'s answer was lost before "
+                    f"its end ({type(e).__name__})"
+                ) from e
             await reply.whole(up.status, headers, body)
             return
         complete = False

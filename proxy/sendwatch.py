@@ -77,8 +77,12 @@ class SendWatch:
         self.timed_out = True
         self._transport = None
         peer = transport.get_extra_info("peername")
-        log.info("closing a connection from %s: its client took no byte of its answer for "
-                 "%gs (limits.send_timeout_s)", peer, self.timeout_s)  # fmt: skip
+        log.info(
+            "closing a connection from %s: its client took no byte of its answer for "
+            "%gs (limits.send_timeout_s)",
+            peer,
+            self.timeout_s,
+        )
         transport.abort()  # not close(): that would wait for the client to read
 
 

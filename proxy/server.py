@@ -148,8 +148,7 @@ async def serve_forever(
 ) -> None:
     running = await start(settings, config_path, sock, coord)
     _freeze_startup_objects()  # a process serves one app for its life (tests start many)
-    log.info("ft-proxy listening on %s://%s:%d", running.scheme, settings.listen.host,
-             running.port)  # fmt: skip
+    log.info("ft-proxy listening on %s://%s:%d", running.scheme, settings.listen.host, running.port)
     stop = asyncio.Event()
 
     def on_signal() -> None:

@@ -253,8 +253,10 @@ class TracingConfig(BaseModel):
     @model_validator(mode="after")
     def _installed(self) -> TracingConfig:
         if self.enabled and importlib.util.find_spec("opentelemetry.sdk") is None:
-            raise ValueError("tracing is enabled but the OpenTelemetry SDK is not installed: "
-                             "pip install 'ft-proxy[otel]'")  # fmt: skip
+            raise ValueError(
+                "tracing is enabled but the OpenTelemetry SDK is not installed: "
+                "pip install 'ft-proxy[otel]'"
+            )
         return self
 
 

@@ -33,8 +33,7 @@ class SSEParser:
     def feed(self, chunk: bytes) -> list[bytes]:
         if not self._parts:
             # The common case: exactly one whole single-line event.
-            if (chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
-                    and chunk.count(b"\n") == 2):  # fmt: skip
+            if chunk.startswith(b"data: ") and chunk.endswith(b"\n\n") and chunk.count(b"\n") == 2:
                 return [chunk[6:-2]]
             buf = chunk
         else:

@@ -58,8 +58,12 @@ class Supervisor:
         listen = self.settings.listen
         self.sock = socket.create_server((listen.host, listen.port), backlog=1024)
         self.sock.set_inheritable(True)
-        log.info("ft-proxy listening on http://%s:%d with %d workers",
-                 listen.host, self.sock.getsockname()[1], self.n)  # fmt: skip
+        log.info(
+            "ft-proxy listening on http://%s:%d with %d workers",
+            listen.host,
+            self.sock.getsockname()[1],
+            self.n,
+        )
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
@@ -104,8 +108,7 @@ class Supervisor:
             _mark_dead(pid)
             if self.stopping:
                 continue
-            log.error("worker %d (pid %d) ended (%s); restarting it",
-                      slot, pid, _describe(status))  # fmt: skip
+            log.error("worker %d (pid %d) ended (%s); restarting it", slot, pid, _describe(status))
             wait = self.started[slot] + RESTART_MIN_INTERVAL_S - time.monotonic()
             if wait > 0:
                 time.sleep(wait)

@@ -40,11 +40,27 @@ DEFAULT_FORWARD = (
 # Rank endpoints that must never be reachable through the data plane: FT control,
 # health and metrics, and vLLM's development-mode control endpoints.
 FORBIDDEN_PREFIXES = (
-    "/fault_tolerance", "/health", "/metrics", "/admin", "/ping", "/load", "/version",
-    "/server_info", "/reset_prefix_cache", "/reset_mm_cache", "/sleep", "/wake_up",
-    "/is_sleeping", "/collective_rpc", "/start_profile", "/stop_profile",
-    "/scale_elastic_ep", "/is_scaling_elastic_ep", "/pause", "/resume",
-)  # fmt: skip
+    "/fault_tolerance",
+    "/health",
+    "/metrics",
+    "/admin",
+    "/ping",
+    "/load",
+    "/version",
+    "/server_info",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/collective_rpc",
+    "/start_profile",
+    "/stop_profile",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/pause",
+    "/resume",
+)
 FORWARD_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 _CONFIG_PATH = re.compile(r"(?:/[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]+)*)+")
 

@@ -68,9 +68,13 @@ class Tracing:
 
         parent = self.propagator.extract(headers)
         with self.tracer.start_as_current_span(
-            name, context=parent, kind=SpanKind.SERVER, attributes=attrs,
-            record_exception=False, set_status_on_exception=False,
-        ) as span:  # fmt: skip
+            name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attrs,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
             yield span
 
     @contextmanager
@@ -120,8 +124,11 @@ def middleware(tracing: Tracing) -> Middleware:
     async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else ""
-        attrs = {"http.request.method": request.method, "url.path": request.path[:512],
-                 "ftproxy.request_id": accesslog.request_id() or ""}  # fmt: skip
+        attrs = {
+            "http.request.method": request.method,
+            "url.path": request.path[:512],
+            "ftproxy.request_id": accesslog.request_id() or "",
+        }
         with tracing.request(f"{request.method} {route}".strip(), request.headers, attrs) as span:
             try:
                 resp = await handler(request)

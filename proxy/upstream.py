@@ -18,10 +18,18 @@ from proxy.settings import Timeouts
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
-        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
-        "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
     )
-)  # fmt: skip
+)
 
 
 # The body goes on decoded (proxy.inbound), so its encoding header does not;
@@ -49,9 +57,13 @@ def make_session(
     (proxy.tls.UpstreamTLS.context: a context, True for the system's, False
     to encrypt without verifying)."""
     connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=per_rank, keepalive_timeout=t.upstream_idle_s, ssl=tls,
-        ttl_dns_cache=300, enable_cleanup_closed=True,
-    )  # fmt: skip
+        limit=0,
+        limit_per_host=per_rank,
+        keepalive_timeout=t.upstream_idle_s,
+        ssl=tls,
+        ttl_dns_cache=300,
+        enable_cleanup_closed=True,
+    )
     # sock_connect, not connect: waiting for a free pooled connection is not a
     # rank failing to accept one.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.read_s)

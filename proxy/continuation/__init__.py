@@ -10,6 +10,16 @@ from proxy.continuation.fields import Refusal, as_bool, refusal
 from proxy.continuation.splice import Decode, SpliceFailed
 
 __all__ = [
-    "ABORT", "CHAT", "COMPLETION", "Book", "Decode", "Emit", "Refusal", "SpliceFailed", "as_bool",
-    "hide_ids", "refusal", "text_of",
-]  # fmt: skip
+    "ABORT",
+    "CHAT",
+    "COMPLETION",
+    "Book",
+    "Decode",
+    "Emit",
+    "Refusal",
+    "SpliceFailed",
+    "as_bool",
+    "hide_ids",
+    "refusal",
+    "text_of",
+]

@@ -144,8 +144,13 @@ class Book:
         the relay together; only chunks that carry more than a token (the
         first, a finish, an abort, usage) need it. None: parse this one.
         """
-        if (self.template is None or self.spliced or data.count(b'"finish_reason":null') != 1
-                or b'"prompt_token_ids":[' in data or b'"index":0' not in data):  # fmt: skip
+        if (
+            self.template is None
+            or self.spliced
+            or data.count(b'"finish_reason":null') != 1
+            or b'"prompt_token_ids":[' in data
+            or b'"index":0' not in data
+        ):
             return None
         if self.kind == CHAT and not self.answering and not self._chat_bytes(data):
             return None
@@ -363,8 +368,12 @@ class Book:
         limit = self._budget(max_model_len)
         await self._rollback(decode)
         body = carried(self.body)
-        body.update(prompt=self.prompt_ids + self.generated, stream=True,
-                    return_token_ids=True, add_special_tokens=False)  # fmt: skip
+        body.update(
+            prompt=self.prompt_ids + self.generated,
+            stream=True,
+            return_token_ids=True,
+            add_special_tokens=False,
+        )
         # An open splice (a stop string may start before it): the proxy
         # matches. vLLM then holds no text back: a chunk's text comes with its
         # own ids, so a stop found by the proxy is at a known token; the proxy
@@ -420,8 +429,13 @@ class Book:
         self.across = len(self.behind) + len(self.pending)
         self.matching = b.open and bool(self.stops)
         if b.k < n or b.recovered:
-            log.info("splice at %d of %d ids: %d chars again, %d recovered",
-                     b.k, n, len(b.skip), len(b.recovered))  # fmt: skip
+            log.info(
+                "splice at %d of %d ids: %d chars again, %d recovered",
+                b.k,
+                n,
+                len(b.skip),
+                len(b.recovered),
+            )
 
     def _path(self) -> str:
         return "/v1/chat/completions" if self.kind == CHAT else "/v1/completions"
@@ -593,9 +607,12 @@ class Book:
             choice["delta"] = {"content": text}
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason=finish,
-                      stop_reason=stop if stop is not None else src.get("stop_reason"),
-                      token_ids=ids if self.wants_ids else None)  # fmt: skip
+        choice.update(
+            logprobs=None,
+            finish_reason=finish,
+            stop_reason=stop if stop is not None else src.get("stop_reason"),
+            token_ids=ids if self.wants_ids else None,
+        )
         if self.kind == COMPLETION:
             choice["prompt_token_ids"] = self._prompt_once()
         chunk["choices"] = [choice]
@@ -682,8 +699,12 @@ def text_of(choice: dict[str, Any], kind: str) -> str:
 def _base(template: dict[str, Any] | None, kind: str) -> dict[str, Any]:
     t = template or {}
     obj = "chat.completion.chunk" if kind == CHAT else "text_completion"
-    base = {"id": t.get("id", "ftproxy-stream"), "object": t.get("object", obj),
-            "created": t.get("created", 0), "model": t.get("model", "")}  # fmt: skip
+    base = {
+        "id": t.get("id", "ftproxy-stream"),
+        "object": t.get("object", obj),
+        "created": t.get("created", 0),
+        "model": t.get("model", ""),
+    }
     if "system_fingerprint" in t:
         base["system_fingerprint"] = t["system_fingerprint"]
     return base

@@ -144,23 +144,40 @@ def _f(fate: str, why: str, only: str = BOTH) -> Field:
     return Field(fate, why, only=only)
 
 
-def _r(code: str, when: str, refused: Pred, why: str, fate: str = REFUSE,
-       only: str = BOTH) -> Field:  # fmt: skip
+def _r(
+    code: str, when: str, refused: Pred, why: str, fate: str = REFUSE, only: str = BOTH
+) -> Field:
     return Field(fate, why, code, refused, when, only)
 
 
 FIELDS: dict[str, Field] = {
     # -- the prompt ----------------------------------------------------------
     "model": _f(CARRY, "the same model"),
-    "prompt": _r("batch_prompt", "several prompts", _batch,
-                 "the prompt's token ids plus the ids generated so far; several prompts "
-                 "stream as interleaved choices, one prompt's ids each", ADJUST, COMPLETIONS),
-    "messages": _r("multimodal", "a content part is not text", _multimodal,
-                   "rendered into the prompt's token ids", DROP, CHAT_ONLY),
-    "prompt_embeds": _r("multimodal", "given", _given,
-                        "embeddings have no token ids to continue from", only=COMPLETIONS),
-    "suffix": _r("suffix", "given", _given, "changes what the prompt means",
-                 only=COMPLETIONS),
+    "prompt": _r(
+        "batch_prompt",
+        "several prompts",
+        _batch,
+        "the prompt's token ids plus the ids generated so far; several prompts "
+        "stream as interleaved choices, one prompt's ids each",
+        ADJUST,
+        COMPLETIONS,
+    ),
+    "messages": _r(
+        "multimodal",
+        "a content part is not text",
+        _multimodal,
+        "rendered into the prompt's token ids",
+        DROP,
+        CHAT_ONLY,
+    ),
+    "prompt_embeds": _r(
+        "multimodal",
+        "given",
+        _given,
+        "embeddings have no token ids to continue from",
+        only=COMPLETIONS,
+    ),
+    "suffix": _r("suffix", "given", _given, "changes what the prompt means", only=COMPLETIONS),
     "echo": _r("echo", "true", _truthy, "the prompt would be echoed again"),
     "add_special_tokens": _f(ADJUST, "false: the prompt ids already have them"),
     "add_generation_prompt": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
@@ -169,94 +186,150 @@ FIELDS: dict[str, Field] = {
     "chat_template_kwargs": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
     "documents": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
     "reasoning_effort": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
-    "mm_processor_kwargs": _r("multimodal", "given", _given,
-                              "multimodal inputs cannot be replayed as token ids",
-                              only=CHAT_ONLY),
-    "media_io_kwargs": _r("multimodal", "given", _given,
-                          "multimodal inputs cannot be replayed as token ids", only=CHAT_ONLY),
+    "mm_processor_kwargs": _r(
+        "multimodal",
+        "given",
+        _given,
+        "multimodal inputs cannot be replayed as token ids",
+        only=CHAT_ONLY,
+    ),
+    "media_io_kwargs": _r(
+        "multimodal",
+        "given",
+        _given,
+        "multimodal inputs cannot be replayed as token ids",
+        only=CHAT_ONLY,
+    ),
     "mm_payload": _f(DROP, "multimodal only (refused above)"),
     "return_mm_kwargs": _f(DROP, "multimodal only (refused above)"),
-    "truncate_prompt_tokens": _f(DROP, "the prompt ids are already the truncated prompt; "
-                                       "truncating again would cut the generated text"),
+    "truncate_prompt_tokens": _f(
+        DROP,
+        "the prompt ids are already the truncated prompt; "
+        "truncating again would cut the generated text",
+    ),
     "truncation_side": _f(DROP, "only with truncate_prompt_tokens (dropped)"),
     # -- budgets ---------------------------------------------------------------
-    "max_tokens": _f(ADJUST, "reduced by the ids generated; chat without one: the rest of the "
-                             "context window, stated explicitly (where no rank's /v1/models "
-                             "says it: `context_window_unknown`, a whole answer starts over); "
-                             "completions without one, or null: 16, as in vLLM 0.32"),
+    "max_tokens": _f(
+        ADJUST,
+        "reduced by the ids generated; chat without one: the rest of the "
+        "context window, stated explicitly (where no rank's /v1/models "
+        "says it: `context_window_unknown`, a whole answer starts over); "
+        "completions without one, or null: 16, as in vLLM 0.32",
+    ),
     "max_completion_tokens": _f(ADJUST, "as max_tokens", CHAT_ONLY),
-    "min_tokens": _f(ADJUST, "reduced by the ids generated; a stop string the proxy matches "
-                             "across the splice counts only past it, as in vLLM"),
+    "min_tokens": _f(
+        ADJUST,
+        "reduced by the ids generated; a stop string the proxy matches "
+        "across the splice counts only past it, as in vLLM",
+    ),
     # -- sampling ------------------------------------------------------------
-    "temperature": _f(CARRY, "greedy (below 1e-5) continues token-exact; otherwise a fresh "
-                             "random state, same distribution"),
+    "temperature": _f(
+        CARRY,
+        "greedy (below 1e-5) continues token-exact; otherwise a fresh "
+        "random state, same distribution",
+    ),
     "top_p": _f(CARRY, "per-step"),
     "top_k": _f(CARRY, "per-step"),
     "min_p": _f(CARRY, "per-step"),
-    "seed": _r("seed_sampled", "sampling (no temperature 0)", _sampled,
-               "the random state at the splice cannot be restored", CARRY),
+    "seed": _r(
+        "seed_sampled",
+        "sampling (no temperature 0)",
+        _sampled,
+        "the random state at the splice cannot be restored",
+        CARRY,
+    ),
     "n": _r("n_choices", "> 1", _above_one, "the other choices' state is not visible", CARRY),
-    "use_beam_search": _r("beam_search", "true", _truthy, "the beams' state is not visible",
-                          CARRY),
+    "use_beam_search": _r("beam_search", "true", _truthy, "the beams' state is not visible", CARRY),
     "length_penalty": _f(CARRY, "beam search only (refused)"),
     "repetition_penalty": _f(CARRY, "vLLM counts prompt and output tokens: the same set"),
-    "presence_penalty": _r("penalty_on_output", "non-zero", _nonzero,
-                           "vLLM counts output tokens only: the continuation's output "
-                           "lacks what was generated before", CARRY),
-    "frequency_penalty": _r("penalty_on_output", "non-zero", _nonzero,
-                            "vLLM counts output tokens only", CARRY),
+    "presence_penalty": _r(
+        "penalty_on_output",
+        "non-zero",
+        _nonzero,
+        "vLLM counts output tokens only: the continuation's output lacks what was generated before",
+        CARRY,
+    ),
+    "frequency_penalty": _r(
+        "penalty_on_output", "non-zero", _nonzero, "vLLM counts output tokens only", CARRY
+    ),
     "logit_bias": _f(CARRY, "per-step"),
     "allowed_token_ids": _f(CARRY, "per-step"),
-    "bad_words": _r("bad_words", "given", _given,
-                    "vLLM matches them against output tokens only: one spanning the splice "
-                    "would be missed", CARRY),
+    "bad_words": _r(
+        "bad_words",
+        "given",
+        _given,
+        "vLLM matches them against output tokens only: one spanning the splice would be missed",
+        CARRY,
+    ),
     "ignore_eos": _f(CARRY, "per-step"),
     "stop_token_ids": _f(CARRY, "per-token"),
-    "stop": _f(CARRY, "also checked by the proxy across the splice, with the text vLLM held "
-                      "back"),
-    "include_stop_str_in_output": _f(ADJUST, "true when a stop string may start before the "
-                                             "splice: vLLM then holds no text back, so a stop "
-                                             "the proxy finds across the splice is at a known "
-                                             "token; the proxy holds back and cuts as the client "
-                                             "asked, and leaves out a stop token's text, which "
-                                             "vLLM then decodes; otherwise carried"),
+    "stop": _f(CARRY, "also checked by the proxy across the splice, with the text vLLM held back"),
+    "include_stop_str_in_output": _f(
+        ADJUST,
+        "true when a stop string may start before the "
+        "splice: vLLM then holds no text back, so a stop "
+        "the proxy finds across the splice is at a known "
+        "token; the proxy holds back and cuts as the client "
+        "asked, and leaves out a stop token's text, which "
+        "vLLM then decodes; otherwise carried",
+    ),
     "skip_special_tokens": _f(CARRY, "the splice's text is decoded the same way"),
     "spaces_between_special_tokens": _f(CARRY, "the splice's text is decoded the same way"),
-    "thinking_token_budget": _r("thinking_budget", "given", _given,
-                                "the reasoning tokens counted so far are not visible"),
-    "include_reasoning": _r("reasoning_hidden", "false", _hidden,
-                            "where hidden reasoning ends is not visible; continuing mid-"
-                            "reasoning is refused too (`reasoning_in_progress`)", DROP,
-                            CHAT_ONLY),
-    "repetition_detection": _r("repetition_detection", "given", _given,
-                               "its state covers the output before the splice"),
-    "watermarking": _r("watermarking", "true", _truthy,
-                       "the watermark's state at the splice is not visible"),
-    "vllm_xargs": _r("logits_processor_args", "given", _given,
-                     "custom logits processors' state is not visible"),
+    "thinking_token_budget": _r(
+        "thinking_budget", "given", _given, "the reasoning tokens counted so far are not visible"
+    ),
+    "include_reasoning": _r(
+        "reasoning_hidden",
+        "false",
+        _hidden,
+        "where hidden reasoning ends is not visible; continuing mid-"
+        "reasoning is refused too (`reasoning_in_progress`)",
+        DROP,
+        CHAT_ONLY,
+    ),
+    "repetition_detection": _r(
+        "repetition_detection", "given", _given, "its state covers the output before the splice"
+    ),
+    "watermarking": _r(
+        "watermarking", "true", _truthy, "the watermark's state at the splice is not visible"
+    ),
+    "vllm_xargs": _r(
+        "logits_processor_args", "given", _given, "custom logits processors' state is not visible"
+    ),
     # -- output shape --------------------------------------------------------
     "stream": _f(ADJUST, "true: the proxy assembles whole answers itself"),
     "stream_options": _f(DROP, "the proxy sends the usage counting the whole answer"),
     "stream_interval": _f(CARRY, "chunking only"),
-    "return_token_ids": _f(ADJUST, "true (the proxy needs the ids); the client gets them if "
-                                   "it asked, read as vLLM reads it (\"false\" is false)"),
-    "return_token_offsets": _r("token_offsets", "true", _truthy,
-                               "cannot be rebuilt in the client's shape"),
+    "return_token_ids": _f(
+        ADJUST,
+        "true (the proxy needs the ids); the client gets them if "
+        'it asked, read as vLLM reads it ("false" is false)',
+    ),
+    "return_token_offsets": _r(
+        "token_offsets", "true", _truthy, "cannot be rebuilt in the client's shape"
+    ),
     "return_tokens_as_token_ids": _f(CARRY, "only with logprobs (refused)"),
     "return_prompt_text": _f(DROP, "the client had it in the first chunk", CHAT_ONLY),
     "logprobs": _r("logprobs", "set", _logprobs, "cannot be rebuilt in the client's shape"),
-    "top_logprobs": _r("logprobs", "> 0", _nonzero, "cannot be rebuilt in the client's shape",
-                       only=CHAT_ONLY),
-    "prompt_logprobs": _r("logprobs", "given", _given,
-                          "cannot be rebuilt in the client's shape"),
-    "logprob_token_ids": _r("logprobs", "given", _given,
-                            "cannot be rebuilt in the client's shape"),
-    "response_format": _r("structured_output", "not text", _structured,
-                          "the grammar's state at the splice is lost"),
-    "structured_outputs": _r("structured_output", "given", _given,
-                             "the grammar's state at the splice is lost"),
-    "tools": _r("tool_calling", "tool_choice is not none", _tools_used,
-                "the tool-call parser's state is lost", DROP, CHAT_ONLY),
+    "top_logprobs": _r(
+        "logprobs", "> 0", _nonzero, "cannot be rebuilt in the client's shape", only=CHAT_ONLY
+    ),
+    "prompt_logprobs": _r("logprobs", "given", _given, "cannot be rebuilt in the client's shape"),
+    "logprob_token_ids": _r("logprobs", "given", _given, "cannot be rebuilt in the client's shape"),
+    "response_format": _r(
+        "structured_output", "not text", _structured, "the grammar's state at the splice is lost"
+    ),
+    "structured_outputs": _r(
+        "structured_output", "given", _given, "the grammar's state at the splice is lost"
+    ),
+    "tools": _r(
+        "tool_calling",
+        "tool_choice is not none",
+        _tools_used,
+        "the tool-call parser's state is lost",
+        DROP,
+        CHAT_ONLY,
+    ),
     "tool_choice": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
     "parallel_tool_calls": _f(DROP, "tool calling only (refused)", CHAT_ONLY),
     # -- bookkeeping ---------------------------------------------------------
@@ -268,7 +341,7 @@ FIELDS: dict[str, Field] = {
     "kv_transfer_params": _f(DROP, "belong to the original request's prefill hand-off"),
     "ec_transfer_params": _f(DROP, "belong to the original request's encoder hand-off"),
     "routed_experts_prompt_start": _f(DROP, "about the original prompt"),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -288,8 +361,9 @@ def refusal(body: dict[str, Any]) -> Refusal | None:
     try:
         orjson.dumps(body)
     except orjson.JSONEncodeError:
-        return Refusal("unserializable", "a field holds text that is not valid Unicode "
-                                         "(a lone surrogate)")  # fmt: skip
+        return Refusal(
+            "unserializable", "a field holds text that is not valid Unicode (a lone surrogate)"
+        )
     return None
 
 
@@ -300,8 +374,10 @@ def carried(body: dict[str, Any]) -> dict[str, Any]:
 
 def readme_matrix() -> str:
     """The README's table of request fields in a continuation."""
-    rows = ["| field | endpoint | in a continuation | refused when (`code`) | why |",
-            "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    rows = [
+        "| field | endpoint | in a continuation | refused when (`code`) | why |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, f in sorted(FIELDS.items()):
         refused = f"{f.when} (`{f.code}`)" if f.code else ""
         fate = "" if f.fate == REFUSE else f.fate

@@ -314,8 +314,13 @@ class Etcd(Coordination):
             group = spare[-1]
             self._leads[group].clear()  # stop starting its rounds before the key goes
             if await self.client.delete_if(self._key("leader", group), self.me):
-                log.info("%s hands group %s over (it leads %d, its share is %d)",
-                         self.me, group, len(mine), share)  # fmt: skip
+                log.info(
+                    "%s hands group %s over (it leads %d, its share is %d)",
+                    self.me,
+                    group,
+                    len(mine),
+                    share,
+                )
 
     async def _members(self) -> set[str]:
         """Every live process (this one's key written first if it is missing)."""
@@ -375,8 +380,9 @@ class Etcd(Coordination):
                     raise RoundInProgress(
                         f"round {record['round_id']} ({record['instruction']}) is in progress "
                         f"for group {spec.group}; wait for it to end, then ask again",
-                        record["round_id"], record["instruction"],
-                    )  # fmt: skip
+                        record["round_id"],
+                        record["instruction"],
+                    )
                 return await self._await_done(key, record["round_id"])
             round_id = uuid.uuid4().hex
             fresh = {**_record(spec, round_id, trigger), "state": "waiting", "owner": self.me}
@@ -574,15 +580,28 @@ def _round(value: Any) -> dict[str, Any] | None:
 
 
 def _record(spec: RoundSpec, round_id: str, trigger: str) -> dict[str, Any]:
-    return {"group": spec.group, "round_id": round_id, "instruction": spec.instruction,
-            "params": spec.params, "targets": spec.targets, "trigger": trigger,
-            "wait_unhealthy_s": spec.wait_unhealthy_s, "recover_s": spec.recover_s}  # fmt: skip
+    return {
+        "group": spec.group,
+        "round_id": round_id,
+        "instruction": spec.instruction,
+        "params": spec.params,
+        "targets": spec.targets,
+        "trigger": trigger,
+        "wait_unhealthy_s": spec.wait_unhealthy_s,
+        "recover_s": spec.recover_s,
+    }
 
 
 def _spec(record: dict[str, Any]) -> RoundSpec:
     r = record
-    return RoundSpec(r["group"], r["instruction"], r["params"], r["targets"],
-                     r["wait_unhealthy_s"], r["recover_s"])  # fmt: skip
+    return RoundSpec(
+        r["group"],
+        r["instruction"],
+        r["params"],
+        r["targets"],
+        r["wait_unhealthy_s"],
+        r["recover_s"],
+    )
 
 
 def _report(data: dict[str, Any]) -> RoundReport:
