@@ -87,7 +87,9 @@ def stream_facts(r: Reply) -> dict[str, Any]:
     return {
         "status": r.status,
         "done": r.done,
-        "first": choice_shape(choices[0]),
+        # Without its finish_reason: a loaded engine merges a short answer
+        # into one chunk, and its first is then its last (`finish` checks it).
+        "first": {k: v for k, v in choice_shape(choices[0]).items() if k != "finish_reason"},
         "first_delta": choices[0].get("delta"),
         "first_chunk_prompt_ids": kind(r.chunks[0].get("prompt_token_ids")),
         "middle": [json.loads(s) for s in shapes],
