@@ -50,8 +50,10 @@ async def _proxy(
 
 def _request(body: dict[str, Any]) -> bytes:
     raw = json.dumps({"model": "fake-model", "prompt": "hello", **body}).encode()
-    head = ("POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n")  # fmt: skip
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n"
+    )
     return head.encode() + raw
 
 
@@ -166,8 +168,9 @@ async def test_a_silent_rank_is_held_while_the_client_reads(
 ) -> None:
     """A rank that is silent while the proxy reads it is still a stall: held
     (keepalives to the client), and relayed on when its engine resumes."""
-    rank = await fakes(name="a", resume=True, fault_after=5, auto_recover_s=1.0,
-                       reports_fault=False)  # fmt: skip
+    rank = await fakes(
+        name="a", resume=True, fault_after=5, auto_recover_s=1.0, reports_fault=False
+    )
     hold = {"keepalive_s": 0.1, "stall_s": 0.3, "timeout_s": 5.0}
     p = await _proxy(proxy, rank, fast_lane, hold=hold)
     out = capture_access_log(p)
@@ -192,8 +195,14 @@ async def test_a_rank_silent_after_a_slow_client_caught_up_is_held_once(
     """The pause is not held; the rank's own silence after it still is. The
     rank streams at most 500 tokens a second: the pause fills the buffers
     between it and the client, and its silence comes after the pause."""
-    rank = await fakes(name="a", token_delay_s=0.002, resume=True, fault_after=2500,
-                       auto_recover_s=1.0, reports_fault=False)  # fmt: skip
+    rank = await fakes(
+        name="a",
+        token_delay_s=0.002,
+        resume=True,
+        fault_after=2500,
+        auto_recover_s=1.0,
+        reports_fault=False,
+    )
     hold = {"keepalive_s": 0.1, "stall_s": 0.5, "timeout_s": 2.0}
     p = await _proxy(proxy, rank, fast_lane, hold=hold)
     out = capture_access_log(p)
