@@ -194,25 +194,27 @@ async def test_a_rank_silent_after_a_slow_client_caught_up_is_held_once(
 ) -> None:
     """The pause is not held; the rank's own silence after it still is. The
     rank streams at most 500 tokens a second: the pause fills the buffers
-    between it and the client, and its silence comes after the pause."""
+    between it and the client, and its silence comes after the pause.
+    (stall_s of a second: under the shared load, the in-process fake rank
+    was seen to fall silent for over half of one.)"""
     rank = await fakes(
         name="a",
         token_delay_s=0.002,
         resume=True,
         fault_after=2500,
-        auto_recover_s=1.0,
+        auto_recover_s=2.0,
         reports_fault=False,
     )
-    hold = {"keepalive_s": 0.1, "stall_s": 0.5, "timeout_s": 2.0}
+    hold = {"keepalive_s": 0.1, "stall_s": 1.0, "timeout_s": 3.0}
     p = await _proxy(proxy, rank, fast_lane, hold=hold)
     out = capture_access_log(p)
     client = await Client.connect(p)
     try:
-        await client.send(_request({"max_tokens": 3000, "stream": True}))
+        await client.send(_request({"max_tokens": 2700, "stream": True}))
         await client.read(1024)
-        await asyncio.sleep(3.5)  # past stall_s + timeout_s
+        await asyncio.sleep(4.5)  # past stall_s + timeout_s
         assert rank.streamed < 2500, "the test needs the pause before the rank's silence"
-        _check_whole_stream(await client.read_to_end(30.0), 3000)
+        _check_whole_stream(await client.read_to_end(30.0), 2700)
     finally:
         client.close()
     line = await _access_line(out)
