@@ -32,6 +32,18 @@ if os.environ.get("CI"):
     hypothesis_settings.load_profile("ci")
 
 
+def dechunk(body: bytes) -> bytes:
+    """A chunked body's data; a body without its last chunk fails the test."""
+    out = b""
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out, body = out + rest[:n], rest[n + 2 :]
+    raise AssertionError("the answer was cut: no last chunk")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

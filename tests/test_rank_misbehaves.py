@@ -21,7 +21,7 @@ from proxy.rankclient import RankClient
 from proxy.server import Running
 from proxy.settings import Settings
 from proxy.state import LIMIT, METRICS, RELAY, TABLE
-from tests.conftest import capture_access_log, until
+from tests.conftest import capture_access_log, dechunk, until
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": True, "pace_s": 0.002}
 EVENT = (
@@ -400,7 +400,7 @@ class _Raw:
         self.status = int(lines[0].split(b" ")[1])
         self.headers = [tuple(line.split(b": ", 1)) for line in lines[1:]]
         if (b"Transfer-Encoding", b"chunked") in self.headers:
-            self.body = _dechunk(self.body)
+            self.body = dechunk(self.body)
 
     def names(self) -> set[bytes]:
         return {h[0].lower() for h in self.headers}
@@ -411,17 +411,6 @@ class _Raw:
     def error(self) -> str:
         code: str = orjson.loads(self.body)["error"]["code"]
         return code
-
-
-def _dechunk(body: bytes) -> bytes:
-    out = b""
-    while body:
-        size, _, rest = body.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            return out
-        out, body = out + rest[:n], rest[n + 2 :]
-    raise AssertionError("the answer was cut: no last chunk")
 
 
 def _reset(conn: Conn) -> None:

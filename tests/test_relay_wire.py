@@ -12,6 +12,7 @@ from bench.backend import Conn
 from bench.validate import Ask, check_stream, sse_payloads
 from proxy.server import Running
 from proxy.settings import Settings
+from tests.conftest import dechunk
 
 ASK = Ask(12, ids=True, usage=True)
 
@@ -65,7 +66,7 @@ async def test_finished_streams_reuse_the_upstream_connection(
     for _ in range(5):
         head, _, body = (await _raw(running.port, "1.1")).partition(b"\r\n\r\n")
         assert b"chunked" in head.lower()
-        check_stream(ASK, sse_payloads(_dechunk(body)))
+        check_stream(ASK, sse_payloads(dechunk(body)))
     # One, or two if a status poll took the pooled connection meanwhile.
     assert _Counted.made - before <= 2, "each stream opened its own upstream connection"
 
@@ -77,14 +78,3 @@ async def test_http10_client_gets_the_stream_unchunked(
     head, _, body = (await _raw(running.port, "1.0")).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.") and b"chunked" not in head.lower()
     check_stream(ASK, sse_payloads(body))
-
-
-def _dechunk(body: bytes) -> bytes:
-    out = b""
-    while body:
-        size, _, rest = body.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            return out
-        out, body = out + rest[:n], rest[n + 2 :]
-    raise AssertionError("no last chunk")
