@@ -18,9 +18,9 @@ from pydantic import BaseModel, Field, ValidationError
 from proxy.coordination import COORD
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
 from proxy.fields import parse_object
-from proxy.inbound import read_body
 from proxy.ranks import RankTable
 from proxy.recovery import RECOVERED, RoundReport, RoundSpec
+from proxy.routes import Request, Response, Route, json_response
 from proxy.settings import ConfigError, load_settings
 from proxy.state import CONFIG_PATH, LISTENER_TLS, SETTINGS, TABLE
 from proxy.tls import ListenerTLS
@@ -40,7 +40,7 @@ class NoLeader(ProxyError):
     status, type, code = 503, "server_error", "no_recovery_leader"
 
 
-async def _at_leader(request: web.Request) -> web.Response | None:
+async def _at_leader(request: Request) -> Response | None:
     """Recovery runs in the leader: from any other process, forward the call.
 
     None: this process leads; handle it here.
@@ -54,7 +54,7 @@ async def _at_leader(request: web.Request) -> web.Response | None:
     headers = {k: v for k, v in request.headers.items() if k in ("Authorization", "Content-Type")}
     # Its limit here as at the leader: request.read() would read up to
     # limits.max_body_bytes (a compression bomb into a buffer twice that).
-    body = await read_body(request, ADMIN_MAX_BODY, request.app[SETTINGS].limits.body_timeout_s)
+    body = await request.body.read(ADMIN_MAX_BODY, request.app[SETTINGS].limits.body_timeout_s)
     # A round may wait up to wait_unhealthy_s + recover_s: no total timeout.
     timeout = aiohttp.ClientTimeout(total=None, connect=5)
     try:
@@ -68,7 +68,7 @@ async def _at_leader(request: web.Request) -> web.Response | None:
                 timeout=timeout,
             ) as r,
         ):
-            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+            return Response(r.status, await r.read(), r.content_type)
     except (aiohttp.ClientError, OSError) as e:
         raise NoLeader(f"the recovery leader did not answer ({type(e).__name__}); retry") from None
 
@@ -103,8 +103,8 @@ async def admin_auth(request: web.Request, handler: Handler) -> web.StreamRespon
     return await handler(request)
 
 
-async def _body(request: web.Request, model: type[BaseModel]) -> Any:
-    raw = await read_body(request, ADMIN_MAX_BODY, request.app[SETTINGS].limits.body_timeout_s)
+async def _body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body.read(ADMIN_MAX_BODY, request.app[SETTINGS].limits.body_timeout_s)
     parsed = parse_object(raw) if raw.strip() else {}
     try:
         return model.model_validate(parsed)
@@ -112,34 +112,34 @@ async def _body(request: web.Request, model: type[BaseModel]) -> Any:
         raise BadRequest(f"invalid body: {e}") from None
 
 
-def _group_or_404(request: web.Request, group: str) -> None:
+def _group_or_404(request: Request, group: str) -> None:
     if not request.app[TABLE].group(group):
         raise NotFound(f"no group named {group!r}")
 
 
-def _report_response(report: RoundReport) -> web.Response:
+def _report_response(report: RoundReport) -> Response:
     status = 200 if report.outcome == RECOVERED else 409 if report.outcome != "failed" else 502
-    return web.json_response(report.as_dict(), status=status)
+    return json_response(report.as_dict(), status)
 
 
-async def ranks(request: web.Request) -> web.Response:
-    return web.json_response({"ranks": [r.snapshot() for r in request.app[TABLE]]})
+async def ranks(request: Request) -> Response:
+    return json_response({"ranks": [r.snapshot() for r in request.app[TABLE]]})
 
 
-async def patch_rank(request: web.Request) -> web.Response:
-    rank = request.app[TABLE].ranks.get(request.match_info["name"])
+async def patch_rank(request: Request) -> Response:
+    rank = request.app[TABLE].ranks.get(request.params["name"])
     if rank is None:
-        raise NotFound(f"no rank named {request.match_info['name']!r}")
+        raise NotFound(f"no rank named {request.params['name']!r}")
     body: WeightBody = await _body(request, WeightBody)
     log.info("rank %s: weight %d -> %d (admin)", rank.name, rank.weight, body.weight)
     # Shared backends keep it for every process and across reloads.
     await request.app[COORD].set_weight(rank.name, body.weight)
     rank.weight = body.weight
     request.app[TABLE].notify()
-    return web.json_response(rank.snapshot())
+    return json_response(rank.snapshot())
 
 
-async def retry(request: web.Request) -> web.Response:
+async def retry(request: Request) -> Response:
     if (answer := await _at_leader(request)) is not None:
         return answer
     body: RetryBody = await _body(request, RetryBody)
@@ -148,7 +148,7 @@ async def retry(request: web.Request) -> web.Response:
     return _report_response(await request.app[COORD].run_round(spec, "admin"))
 
 
-async def scale_down(request: web.Request) -> web.Response:
+async def scale_down(request: Request) -> Response:
     if (answer := await _at_leader(request)) is not None:
         return answer
     body: ScaleDownBody = await _body(request, ScaleDownBody)
@@ -187,14 +187,14 @@ async def scale_down(request: web.Request) -> web.Response:
     return _report_response(report)
 
 
-async def rounds(request: web.Request) -> web.Response:
+async def rounds(request: Request) -> Response:
     if (answer := await _at_leader(request)) is not None:
         return answer
-    return web.json_response({"rounds": await request.app[COORD].rounds()})
+    return json_response({"rounds": await request.app[COORD].rounds()})
 
 
-async def reload(request: web.Request) -> web.Response:
-    return web.json_response(reload_config(request.app))
+async def reload(request: Request) -> Response:
+    return json_response(reload_config(request.app))
 
 
 def reload_config(app: web.Application) -> dict[str, Any]:
@@ -286,10 +286,11 @@ async def follow_weights(app: web.Application) -> None:
         await coord.wait_change("weights", seen)
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/ranks", ranks)
-    app.router.add_patch("/admin/ranks/{name}", patch_rank)
-    app.router.add_get("/admin/rounds", rounds)
-    app.router.add_post("/admin/retry", retry)
-    app.router.add_post("/admin/scale_down", scale_down)
-    app.router.add_post("/admin/reload", reload)
+ROUTES = [
+    Route("GET", "/admin/ranks", ranks),
+    Route("PATCH", "/admin/ranks/{name}", patch_rank),
+    Route("GET", "/admin/rounds", rounds),
+    Route("POST", "/admin/retry", retry),
+    Route("POST", "/admin/scale_down", scale_down),
+    Route("POST", "/admin/reload", reload),
+]

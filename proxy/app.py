@@ -27,21 +27,16 @@ from proxy.errors import (
 )
 from proxy.feed import Poller, PushFeed
 from proxy.fields import check_fields
-from proxy.inbound import (
-    check_api_key,
-    client_request_id,
-    new_request_id,
-    read_body,
-    read_json,
-)
+from proxy.inbound import check_api_key, client_request_id, new_request_id, read_json
 from proxy.limits import RequestLimit
 from proxy.metrics import SAMPLE_EVERY_S, Metrics
 from proxy.ranks import RankTable
 from proxy.recovery import AutoRecovery, Recovery
 from proxy.relay import Outbound, Relay
+from proxy.routes import Request, Response, Route, add_routes, json_response
 from proxy.sendwatch import SEND_WATCH, client_end
 from proxy.settings import Settings
-from proxy.sink import AioReply, Reply
+from proxy.sink import Reply
 from proxy.state import (
     ACCESS_LOG,
     CONFIG_PATH,
@@ -158,31 +153,27 @@ def _refusal(request: web.Request, err: ProxyError) -> web.Response:
     return error_response(err)
 
 
-async def proxy_v1(request: web.Request) -> web.StreamResponse:
+async def proxy_v1(request: Request) -> None:
     """An allow-listed serving endpoint (``routing.forward``): to one healthy rank."""
     settings = request.app[SETTINGS]
     check_api_key(request.headers, settings.api_keys)
-    max_bytes = settings.limits.max_body_bytes
+    max_bytes, timeout_s = settings.limits.max_body_bytes, settings.limits.body_timeout_s
     parsed: dict[str, Any] = {}
     if request.method in ("POST", "PUT", "PATCH"):
-        body, parsed = await read_json(request, max_bytes, settings.limits.body_timeout_s)
+        body, parsed = await read_json(request, max_bytes, timeout_s)
     else:
-        body = await read_body(request, max_bytes, settings.limits.body_timeout_s)
+        body = await request.body.read(max_bytes, timeout_s)
     # The route's own path (from the config), not the client's spelling of it.
-    resource = request.match_info.route.resource
-    assert resource is not None  # registered on plain resources only
-    reply = AioReply(request)
     await forward_v1(
         request.app,
-        reply,
+        request.reply,
         request.method,
-        resource.canonical,
+        request.route,
         request.headers,
         body,
         parsed,
-        request[REQUEST_ID],
+        request.request_id,
     )
-    return reply.answer()
 
 
 async def forward_v1(
@@ -216,26 +207,38 @@ async def forward_v1(
         await app[RELAY].forward(reply, out)
 
 
-async def list_models(request: web.Request) -> web.Response:
+async def list_models(request: Request) -> Response:
     check_api_key(request.headers, request.app[SETTINGS].api_keys)
     merged = await models.gather(request.app[SESSION], request.app[TABLE], request.app[MODEL_LISTS])
-    return web.json_response(merged)
+    return json_response(merged)
 
 
-async def health(request: web.Request) -> web.Response:
+async def health(request: Request) -> Response:
     ok = request.app[TABLE].any_routable()
-    return web.json_response(
-        {"status": "ok" if ok else "no routable rank"}, status=200 if ok else 503
-    )
+    return json_response({"status": "ok" if ok else "no routable rank"}, 200 if ok else 503)
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics(request: Request) -> Response:
     admin_cfg = request.app[SETTINGS].admin
     token = admin_cfg.token if admin_cfg.metrics_use_admin_token else admin_cfg.metrics_token
     if token is not None:
         check_api_key(request.headers, [token])
-    body = request.app[METRICS].render()
-    return web.Response(body=body, content_type="text/plain", charset="utf-8")
+    return Response(body=request.app[METRICS].render(), content_type="text/plain; charset=utf-8")
+
+
+def routes(settings: Settings) -> list[Route]:
+    """Every path the proxy answers, and its handler."""
+    table = [
+        *drain.ROUTES,  # /ready, /live
+        Route("GET", "/health", health),  # some rank routable
+        Route("GET", "/metrics", metrics),
+        Route("GET", "/v1/models", list_models),
+        *admin.ROUTES,
+    ]
+    for entry in settings.routing.forward:
+        method, path = parse_forward(entry)
+        table.append(Route(method, path, proxy_v1))
+    return table
 
 
 def _background(
@@ -364,11 +367,5 @@ def build_app(
     app[admin.WEIGHTS] = {}
     app[admin.REMOVED] = set()
     app.cleanup_ctx.append(_background("weights", admin.follow_weights))
-    admin.add_routes(app)
-    app.router.add_get("/health", health)  # some rank routable; /ready, /live: proxy.drain
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", list_models)
-    for entry in settings.routing.forward:
-        method, path = parse_forward(entry)
-        app.router.add_route(method, path, proxy_v1)
+    add_routes(app, routes(settings))
     return app

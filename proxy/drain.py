@@ -34,6 +34,7 @@ from aiohttp import web
 
 from proxy import accesslog
 from proxy.errors import ProxyShutdown, error_body, error_response
+from proxy.routes import Request, Response, Route, json_response
 from proxy.settings import Shutdown
 from proxy.sink import bodiless
 from proxy.sse import DONE, event
@@ -194,25 +195,24 @@ async def end_cut(entry: InFlight) -> web.Response | None:
     return None
 
 
-async def ready(request: web.Request) -> web.Response:
+async def ready(request: Request) -> Response:
     if request.app[DRAIN].draining:
-        return web.json_response({"status": "draining"}, status=503)
-    return web.json_response({"status": "ready"})
+        return json_response({"status": "draining"}, 503)
+    return json_response({"status": "ready"})
 
 
-async def live(request: web.Request) -> web.Response:
-    return web.json_response({"status": "alive"})
+async def live(request: Request) -> Response:
+    return json_response({"status": "alive"})
 
 
 DRAIN = web.AppKey("drain", Drain)
+ROUTES = [Route("GET", "/ready", ready), Route("GET", "/live", live)]
 
 
 def install(app: web.Application, drain: Drain) -> None:
-    """Add the probes and the prepare hook; the caller puts the middleware first."""
+    """Add the prepare hook; the caller puts the middleware first (the probes: ROUTES)."""
     app[DRAIN] = drain
     app.on_response_prepare.append(drain.on_prepare)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/live", live)
 
 
 async def graceful_stop(runner: web.AppRunner, drain: Drain, cfg: Shutdown) -> None:

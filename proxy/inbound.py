@@ -11,7 +11,7 @@ import hmac
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.streams import StreamReader
@@ -20,6 +20,9 @@ from pydantic import SecretStr
 
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized
 from proxy.fields import parse_object
+
+if TYPE_CHECKING:
+    from proxy.routes import Request
 
 
 class UnsupportedMediaType(ProxyError):
@@ -88,13 +91,13 @@ async def _read_bounded(content: StreamReader, max_bytes: int) -> bytes:
 
 
 async def read_json(
-    request: web.Request, max_bytes: int, timeout_s: float
+    request: Request, max_bytes: int, timeout_s: float
 ) -> tuple[bytes, dict[str, Any]]:
     """The raw (decoded) body and its parsed JSON object."""
     if request.content_type != "application/json":
         got = request.headers.get("Content-Type", "none")
         raise UnsupportedMediaType(f"Content-Type must be application/json, got {got}")
-    raw = await read_body(request, max_bytes, timeout_s)
+    raw = await request.body.read(max_bytes, timeout_s)
     return raw, parse_object(raw)
 
 
