@@ -1,10 +1,11 @@
 """One access-log line per client request, written once when it ends.
 
-The outermost middleware opens an :class:`AccessRecord` for each request and
-keeps it in a context variable, so the code that learns something along the
-way (which rank answered, how long the request queued, holds, continuations,
-how the stream ended) fills it in without being handed it. The line is
-written in the middleware's ``finally``: after a normal answer, a refusal, an
+The request pipeline's outermost step (proxy.pipeline) opens an
+:class:`AccessRecord` for each request and keeps it in a context variable, so
+the code that learns something along the way (which rank answered, how long
+the request queued, holds, continuations, how the stream ended) fills it in
+without being handed it. The line is
+written in that step's ``finally``: after a normal answer, a refusal, an
 error, or a client that went away (the handler is cancelled).
 
 Never logged: bodies, API keys, the admin token, any header. The model name

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 
 from proxy.coordination import COORD
 from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
@@ -28,8 +28,6 @@ from proxy.tls import ListenerTLS
 log = logging.getLogger("ftproxy.admin")
 
 ADMIN_MAX_BODY = 64 * 1024  # admin bodies are a few fields
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class AdminOff(ProxyError):
@@ -62,7 +60,7 @@ async def _at_leader(request: Request) -> Response | None:
             aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path))) as s,
             s.request(
                 request.method,
-                "http://leader" + request.path_qs,
+                "http://leader" + request.target,
                 data=body,
                 headers=headers,
                 timeout=timeout,
@@ -89,18 +87,15 @@ class WeightBody(BaseModel, extra="forbid"):
     weight: int = Field(ge=0)
 
 
-@web.middleware
-async def admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path.startswith("/admin/"):
-        token = request.app[SETTINGS].admin.token
-        if token is None:
-            raise AdminOff("the admin plane is off: set admin.token (or FTPROXY_ADMIN__TOKEN)")
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {token.get_secret_value()}"
-        # Not UTF-8 (surrogates, as aiohttp decodes it): a wrong token, not a 500.
-        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode()):
-            raise Unauthorized("missing or wrong admin token")
-    return await handler(request)
+def check_admin_token(token: SecretStr | None, headers: Mapping[str, str]) -> None:
+    """Every ``/admin/*`` call needs the admin token (proxy.pipeline asks)."""
+    if token is None:
+        raise AdminOff("the admin plane is off: set admin.token (or FTPROXY_ADMIN__TOKEN)")
+    given = headers.get("Authorization", "")
+    expected = f"Bearer {token.get_secret_value()}"
+    # Not UTF-8 (surrogates, as the header was decoded): a wrong token, not a 500.
+    if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode()):
+        raise Unauthorized("missing or wrong admin token")
 
 
 async def _body(request: Request, model: type[BaseModel]) -> Any:

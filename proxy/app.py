@@ -1,40 +1,35 @@
-"""``build_app(settings)``: routes, middlewares and background tasks."""
+"""``build_app(settings)``: the route table, its handlers and background tasks."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from proxy import accesslog, admin, coordination, drain, generation, models, tracing
-from proxy.accesslog import AccessLog, AccessRecord, End
+from proxy import accesslog, admin, aioserve, coordination, drain, generation, models, tracing
+from proxy.accesslog import AccessLog
 from proxy.bounded import Bound
 from proxy.coordination import COORD, Coordination
+from proxy.drain import DRAIN, Drain
 from proxy.errors import (
-    HttpStatusError,
-    MethodNotAllowed,
     ModelNotFound,
-    NotFound,
-    ProxyError,
-    error_response,
 )
 from proxy.feed import Poller, PushFeed
 from proxy.fields import check_fields
-from proxy.inbound import check_api_key, client_request_id, new_request_id, read_json
+from proxy.inbound import check_api_key, read_json
 from proxy.limits import RequestLimit
 from proxy.metrics import SAMPLE_EVERY_S, Metrics
+from proxy.pipeline import PIPELINE, Pipeline
 from proxy.ranks import RankTable
 from proxy.recovery import AutoRecovery, Recovery
 from proxy.relay import Outbound, Relay
-from proxy.routes import Request, Response, Route, add_routes, json_response
-from proxy.sendwatch import SEND_WATCH, client_end
+from proxy.routes import Request, Response, Route, json_response
 from proxy.settings import Settings
 from proxy.sink import Reply
 from proxy.state import (
@@ -45,112 +40,16 @@ from proxy.state import (
     MODEL_LISTS,
     RECOVERY,
     RELAY,
-    REQUEST_ID,
     SESSION,
     SETTINGS,
     TABLE,
     TRACING,
 )
 from proxy.supervise import supervised
-from proxy.target import parse_forward, target_guard
+from proxy.target import parse_forward
 from proxy.upstream import make_rank_client, make_session, request_headers
 
 log = logging.getLogger("ftproxy.app")
-
-# The response a handler has begun to send, if any (set when it is prepared).
-PREPARED = web.RequestKey("prepared", web.StreamResponse)
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Outermost: give every request an id; write its access-log line once it ends."""
-    request_id = client_request_id(request.headers) or new_request_id()
-    request[REQUEST_ID] = request_id
-    access = request.app[ACCESS_LOG]
-    if access is None:
-        id_token = accesslog.REQUEST_ID.set(request_id)
-        try:
-            return await handler(request)
-        except (asyncio.CancelledError, ConnectionResetError):
-            request.app[METRICS].client_disconnects.inc()
-            raise
-        finally:
-            accesslog.REQUEST_ID.reset(id_token)
-    rec = AccessRecord(request_id, request.method, request.path[:512])
-    token = accesslog.CURRENT.set(rec)
-    try:
-        resp = await handler(request)
-        rec.status = resp.status
-        if rec.ttfb_s is None and not resp.prepared:  # a whole answer: out now
-            rec.ttfb_s = time.monotonic() - rec.start
-        return resp
-    except (asyncio.CancelledError, ConnectionResetError):
-        request.app[METRICS].client_disconnects.inc()
-        # 499: nginx's "client closed request" (or cut for taking nothing).
-        rec.status, rec.end = 499, client_end(request.get(SEND_WATCH))
-        raise
-    except BaseException:
-        rec.status, rec.end = 500, End.ERROR
-        raise
-    finally:
-        if rec.end is None:
-            rec.end = accesslog.end_for(rec.status)  # finished below 400
-        access.write(rec)
-        accesslog.CURRENT.reset(token)
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer ProxyErrors in the OpenAI shape."""
-    request_id = request[REQUEST_ID]
-    try:
-        resp = await handler(request)
-    except ProxyError as err:
-        log.info(
-            "[%s] %s %s -> %d %s", request_id, request.method, request.path, err.status, err.message
-        )
-        resp = _refusal(request, err)
-        if err.close_connection:
-            resp.force_close()
-    except web.HTTPNotFound:
-        resp = _refusal(request, NotFound(f"no route for {request.method} {request.path}"))
-    except web.HTTPMethodNotAllowed as e:
-        allowed = ", ".join(sorted(e.allowed_methods))
-        message = f"{request.method} is not allowed here; allowed: {allowed}"
-        resp = _refusal(request, MethodNotAllowed(message, {"Allow": allowed}))
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise  # a redirect or the like is an answer, not an error
-        resp = _refusal(request, HttpStatusError(e.status, e.reason))
-    except ConnectionResetError:
-        raise  # the client left: nothing to answer (counted by the access middleware)
-    except Exception:
-        # A bug of ours: never a text/plain 500, never a traceback to the client.
-        log.exception("[%s] %s %s -> 500 internal error", request_id, request.method, request.path)
-        request.app[METRICS].internal_errors.inc()
-        if PREPARED in request:  # the answer has begun: cut it so the client sees it
-            if request.transport is not None:
-                request.transport.abort()
-            return request[PREPARED]
-        resp = error_response(ProxyError("internal error; see the proxy log for this request id"))
-    return resp
-
-
-async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
-    """Every answer is about to be written, whole or a stream's head: it
-    carries its request id (the rank's own is replaced: the client's id, or
-    the proxy's, is the one in its logs)."""
-    request[PREPARED] = response
-    if (request_id := request.get(REQUEST_ID)) is not None:
-        response.headers["X-Request-Id"] = request_id
-
-
-def _refusal(request: web.Request, err: ProxyError) -> web.Response:
-    accesslog.refused(request.app[METRICS], err)
-    return error_response(err)
 
 
 async def proxy_v1(request: Request) -> None:
@@ -321,28 +220,11 @@ async def _sample_metrics(app: web.Application) -> None:
 def build_app(
     settings: Settings, config_path: Path | None = None, coord: Coordination | None = None
 ) -> web.Application:
-    draining = drain.Drain()
-    limit = RequestLimit(settings.limits.max_requests)
     traces = tracing.Tracing(settings.tracing) if settings.tracing.enabled else None
-    app = web.Application(
-        # Drain sits inside the access log (which then logs how a request it
-        # ended at shutdown ended) and outside the rest, so that request gets
-        # its error event after all else.
-        middlewares=[
-            access_middleware,
-            *([tracing.middleware(traces)] if traces is not None else []),
-            draining.middleware,
-            errors_middleware,
-            target_guard,
-            limit.middleware,
-            admin.admin_auth,
-        ],
-        client_max_size=settings.limits.max_body_bytes,
-    )
-    drain.install(app, draining)
-    app[LIMIT] = limit
+    app = web.Application(client_max_size=settings.limits.max_body_bytes)
+    app[DRAIN] = Drain()
+    app[LIMIT] = RequestLimit(settings.limits.max_requests)
     app[SETTINGS] = settings
-    app.on_response_prepare.append(_on_prepare)
     access = AccessLog(settings.logging.format) if settings.logging.access_log else None
     app[ACCESS_LOG] = access
     if access is not None:
@@ -367,5 +249,6 @@ def build_app(
     app[admin.WEIGHTS] = {}
     app[admin.REMOVED] = set()
     app.cleanup_ctx.append(_background("weights", admin.follow_weights))
-    add_routes(app, routes(settings))
+    app[PIPELINE] = pipeline = Pipeline(app, routes(settings))
+    app.middlewares.append(aioserve.middleware(pipeline))
     return app

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,15 +33,13 @@ import orjson
 from aiohttp import web
 
 from proxy import accesslog
-from proxy.errors import ProxyShutdown, error_body, error_response
-from proxy.routes import Request, Response, Route, json_response
+from proxy.errors import ProxyShutdown, error_body
+from proxy.routes import Request, Response, Route, error_answer, json_response
 from proxy.settings import Shutdown
 from proxy.sink import bodiless
 from proxy.sse import DONE, event
 
 log = logging.getLogger("ftproxy.drain")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # After the grace period: how long the ended requests get to write their
 # error event before the runner cancels whatever is still there.
@@ -49,7 +47,7 @@ CUT_WAIT_S = 2.0
 
 
 class Stream(Protocol):
-    """An answer being streamed (aiohttp's StreamResponse, the fast lane's reply)."""
+    """An answer being streamed (a listener's reply)."""
 
     @property
     def prepared(self) -> bool: ...
@@ -70,9 +68,6 @@ class InFlight:
     # Without a task (the fast lane's request whose body is still coming):
     # how to end it instead of cancelling its task.
     on_cut: Callable[[], None] | None = None
-
-
-IN_FLIGHT = web.RequestKey("in_flight", InFlight)
 
 
 class Drain:
@@ -104,31 +99,6 @@ class Drain:
         self._in_flight.discard(entry)
         if not self._in_flight:
             self._idle.set()
-
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        entry = request[IN_FLIGHT] = self.enter()
-        try:
-            resp = await handler(request)
-        except asyncio.CancelledError:
-            if not entry.cut:
-                raise  # the client went away, or the runner is cancelling
-            resp = await end_cut(entry) or _stream_of(entry)
-        finally:
-            self.leave(entry)
-        if self.draining and not resp.prepared:
-            resp.force_close()
-        return resp
-
-    async def on_prepare(self, request: web.Request, resp: web.StreamResponse) -> None:
-        """Remember an SSE answer (to end it well) and close connections while draining."""
-        entry = request.get(IN_FLIGHT)
-        if entry is not None and resp.content_type == "text/event-stream":
-            entry.stream = resp
-        if self.draining:
-            # The hook runs after aiohttp computed the headers: set both.
-            resp.force_close()
-            resp.headers["Connection"] = "close"
 
     # -- the shutdown side ----------------------------------------------------
     async def wait_idle(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bool, not an error
@@ -167,12 +137,7 @@ class Drain:
         return len(left)
 
 
-def _stream_of(entry: InFlight) -> web.StreamResponse:
-    assert isinstance(entry.stream, web.StreamResponse)  # set by on_prepare
-    return entry.stream
-
-
-async def end_cut(entry: InFlight) -> web.Response | None:
+async def end_cut(entry: InFlight) -> Response | None:
     """End a request :meth:`Drain.cut` cancelled: its stream gets an error
     event and its end (None), or, with nothing sent yet, a 503 to send."""
     if entry.task is not None:
@@ -182,7 +147,7 @@ async def end_cut(entry: InFlight) -> web.Response | None:
     if rec is not None:
         rec.end = accesslog.End.PROXY_SHUTDOWN
     if entry.stream is None or not entry.stream.prepared:
-        return error_response(ProxyShutdown(message))
+        return error_answer(ProxyShutdown(message))
     resp = entry.stream
     if bodiless(resp.status):  # a 204 or 304 labeled a stream: whole with its head
         return None
@@ -207,12 +172,6 @@ async def live(request: Request) -> Response:
 
 DRAIN = web.AppKey("drain", Drain)
 ROUTES = [Route("GET", "/ready", ready), Route("GET", "/live", live)]
-
-
-def install(app: web.Application, drain: Drain) -> None:
-    """Add the prepare hook; the caller puts the middleware first (the probes: ROUTES)."""
-    app[DRAIN] = drain
-    app.on_response_prepare.append(drain.on_prepare)
 
 
 async def graceful_stop(runner: web.AppRunner, drain: Drain, cfg: Shutdown) -> None:

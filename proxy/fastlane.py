@@ -2,12 +2,12 @@
 
 Most of a relay's requests are one shape: ``POST /v1/completions`` (or chat)
 over HTTP/1.1 with a small JSON body that arrives with its headers. For them,
-aiohttp's request machinery (a request object, a payload stream, the router,
-seven middlewares, a response object and its writer) costs more CPU than the
-relaying. The listener's connection handler (:mod:`proxy.listener`) offers
-each read to :meth:`Lane.parse` first; a request of that shape is answered
-here, by the same checks and handlers as aiohttp's path
-(:func:`proxy.app.forward_v1`), through the same access log, drain, request
+aiohttp's request machinery (a request object, a payload stream, a
+response object and its writer) costs more CPU than the relaying. The
+listener's connection handler (:mod:`proxy.listener`) offers each read to
+:meth:`Lane.parse` first; a request of that shape is read here and answered
+by the one request pipeline (:mod:`proxy.pipeline`), as aiohttp's path
+answers the rest: the same checks, handlers, access log, drain, request
 limit and error answers. Anything else (another route or method, a body in
 more than one read, chunked or compressed bodies, ``Expect``, upgrades,
 HTTP/1.0, tracing on) goes to aiohttp, and the connection stays aiohttp's
@@ -31,14 +31,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import SINGLETON_HEADERS, HttpRequestParser
 from multidict import CIMultiDict
 
-from proxy import accesslog, drain, generation
-from proxy.accesslog import AccessRecord, End
-from proxy.app import forward_v1
-from proxy.errors import ProxyError, error_response
-from proxy.fields import parse_object
+from proxy import accesslog, drain, generation, routes
 from proxy.inbound import RequestTimeout, check_api_key, client_request_id, new_request_id
 from proxy.limits import Overloaded
-from proxy.sendwatch import SendWatch, client_end
+from proxy.pipeline import PIPELINE, release
+from proxy.sendwatch import SendWatch
 from proxy.sink import ChunkSink, Sink, bodiless
 from proxy.state import ACCESS_LOG, LIMIT, METRICS, SETTINGS, TRACING
 from proxy.target import parse_forward
@@ -122,6 +119,7 @@ class Lane:
         self.settings, self.metrics = settings, app[METRICS]
         self.access, self.limit, self.drain = app[ACCESS_LOG], app[LIMIT], app[drain.DRAIN]
         self.max_body = settings.limits.max_body_bytes
+        self.pipeline = app[PIPELINE]
         self.served = 0  # requests the lane answered (tests read it)
         # The request lines taken, e.g. b"POST /v1/completions HTTP/1.1\r\n" -> path.
         self.lines: dict[bytes, str] = {}
@@ -134,7 +132,7 @@ class Lane:
     def for_app(cls, app: web.Application) -> Lane | None:
         """The app's lane, or None when every request must take aiohttp's path."""
         if not app[SETTINGS].listen.fast_lane or app[TRACING] is not None:
-            return None  # spans come from the tracing middleware
+            return None  # traced requests keep aiohttp's path, as measured and tested
         lane = cls(app)
         return lane if lane.lines else None
 
@@ -234,99 +232,47 @@ class Lane:
 
     # -- answering -----------------------------------------------------------
     async def serve(self, conn: Connection, req: Request) -> bool:
-        """Answer ``req`` as the middlewares and ``proxy_v1`` would; True if
-        the connection may carry another request."""
+        """Answer ``req`` through the pipeline, as every request is answered;
+        True if the connection may carry another request."""
         self.served += 1
         request_id = client_request_id(req.headers) or new_request_id()
         reply = LaneReply(conn, self.drain, request_id, req.keep_alive)
-        rec = AccessRecord(request_id, "POST", req.path) if self.access is not None else None
-        token = accesslog.CURRENT.set(rec) if rec is not None else None
-        id_token = accesslog.REQUEST_ID.set(request_id) if rec is None else None
+        piped = routes.Request(
+            "POST",
+            req.path,
+            req.path,
+            req.headers,
+            "application/json",  # the lane takes no other (Lane._head)
+            _Body(req),
+            reply,
+            self.app,
+            request_id,
+            conn.send_watch,
+            # Its place in the limit and its drain record go to the pipeline.
+            admitted=req.admitted,
+            waited=req.waited,
+            cut=req.body_late == "shutdown",
+        )
+        req.admitted = False
         try:
-            await self._in_flight(req, reply, request_id)
-            if rec is not None:
-                rec.status = reply.status
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.metrics.client_disconnects.inc()
-            if rec is not None:  # 499: nginx's "client closed request" (or cut)
-                rec.status, rec.end = 499, client_end(conn.send_watch)
-            raise
-        except BaseException:
-            if rec is not None:
-                rec.status, rec.end = 500, End.ERROR
-            raise
+            await self.pipeline.serve(piped)
         finally:
-            if rec is not None and self.access is not None:
-                if rec.end is None:
-                    rec.end = accesslog.end_for(rec.status)
-                self.access.write(rec)
-            if token is not None:
-                accesslog.CURRENT.reset(token)
-            if id_token is not None:
-                accesslog.REQUEST_ID.reset(id_token)
+            release(self.limit, piped)  # if the pipeline never took it over
         return reply.keep_alive
 
-    async def _in_flight(self, req: Request, reply: LaneReply, request_id: str) -> None:
-        """The drain's part: a request it cuts at shutdown still ends well."""
-        entry = self.drain.enter()
-        reply.entry = entry
-        if req.waited is not None:
-            self.drain.leave(req.waited)
-        try:
-            if req.body_late == "shutdown":  # the drain ended it while its body came
-                entry.cut = True
-                await self._end_cut(entry, reply)
-                return
-            await self._answered(req, reply, request_id)
-        except asyncio.CancelledError:
-            if not entry.cut:
-                raise
-            await self._end_cut(entry, reply)
-        finally:
-            self.drain.leave(entry)
 
-    @staticmethod
-    async def _end_cut(entry: drain.InFlight, reply: LaneReply) -> None:
-        if (resp := await drain.end_cut(entry)) is not None:
-            await reply.send(resp)
+class _Body:
+    """A lane request's body: all in, or late (proxy.listener timed it)."""
 
-    async def _answered(self, req: Request, reply: LaneReply, request_id: str) -> None:
-        """The error middleware's part: every error is an OpenAI-shaped answer."""
-        try:
-            if not req.admitted:
-                self.limit.admit()
-                req.admitted = True
-            try:
-                await self._forward(req, reply, request_id)
-            finally:
-                self.release(req)
-        except ProxyError as err:
-            log.info("[%s] POST %s -> %d %s", request_id, req.path, err.status, err.message)
-            accesslog.refused(self.metrics, err)
-            await reply.send(error_response(err), close=err.close_connection)
-        except ConnectionResetError:
-            raise
-        except Exception:
-            log.exception("[%s] POST %s -> 500 internal error", request_id, req.path)
-            self.metrics.internal_errors.inc()
-            if reply.prepared:  # the answer has begun: cut it so the client sees it
-                reply.abort()
-                return
-            bug = ProxyError("internal error; see the proxy log for this request id")
-            await reply.send(error_response(bug))
+    def __init__(self, req: Request) -> None:
+        self.req = req
 
-    async def _forward(self, req: Request, reply: LaneReply, request_id: str) -> None:
-        """``proxy_v1``'s part: the key, the body, then the shared checks and relay."""
-        check_api_key(req.headers, self.settings.api_keys)
-        if req.body_late == "timeout":
-            timeout_s = self.settings.limits.body_timeout_s
+    async def read(self, max_bytes: int, timeout_s: float) -> bytes:
+        if self.req.body_late == "timeout":
             raise RequestTimeout(f"request body not received within {timeout_s:g}s")
-        if req.body_late == "gone":
+        if self.req.body_late == "gone":
             raise ConnectionResetError("the client left before its body came")
-        parsed = parse_object(req.body)
-        await forward_v1(
-            self.app, reply, "POST", req.path, req.headers, req.body, parsed, request_id
-        )
+        return self.req.body  # within max_bytes: Lane._head takes no longer one
 
 
 def _valid_so_far(part: bytes) -> bool:
@@ -470,14 +416,8 @@ class LaneReply:
             await self.write(data)
         await self.close_stream()
 
-    # -- the lane's own answers -------------------------------------------------
-    async def send(self, resp: web.Response, close: bool = False) -> None:
-        """An answer made as an aiohttp Response (the error answers)."""
-        if close:
-            self.keep_alive = False
-        body = resp.body
-        assert isinstance(body, bytes)
-        await self.whole(resp.status, CIMultiDict(resp.headers), body)
+    def end_connection(self) -> None:
+        self.keep_alive = False
 
     def abort(self) -> None:
         self.keep_alive = False

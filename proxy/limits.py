@@ -6,16 +6,10 @@ of its answer (proxy.sendwatch), the wait queue (proxy.relay) and held streams
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
-from aiohttp import web
-
 from proxy.errors import ProxyError
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 # Probes must answer however busy the proxy is.
-_EXEMPT = frozenset({"/health", "/metrics", "/live", "/ready"})
+EXEMPT = frozenset({"/health", "/metrics", "/live", "/ready"})
 
 
 class Overloaded(ProxyError):
@@ -40,13 +34,3 @@ class RequestLimit:
 
     def release(self) -> None:
         self.in_flight -= 1
-
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in _EXEMPT:
-            return await handler(request)
-        self.admit()
-        try:
-            return await handler(request)
-        finally:
-            self.release()

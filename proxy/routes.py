@@ -3,10 +3,9 @@
 Every handler (the data plane, probes, ``/metrics``, ``/v1/models``,
 ``/admin/*``) is a plain ``async def handler(request) -> Response | None``
 over these types: a :class:`Response` is a whole answer, None an answer the
-handler wrote itself through ``request.reply`` (a stream). The table of
-:class:`Route` is the one place a path gets its handler; the listener that
-reads the connection (today aiohttp's server, through :func:`aio_handler`)
-only turns its own request into a :class:`Request` and the answer back.
+handler wrote itself through ``request.reply`` (a stream). :class:`RouteTable`
+is the one place a path gets its handler; the pipeline (proxy.pipeline) runs
+every request through it, whichever listener read the request.
 """
 
 from __future__ import annotations
@@ -14,14 +13,16 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
-from multidict import CIMultiDict
 
-from proxy import inbound
-from proxy.sink import AioReply, Reply
-from proxy.state import REQUEST_ID
+from proxy.errors import MethodNotAllowed, NotFound, ProxyError, error_body
+from proxy.sink import Reply
+
+if TYPE_CHECKING:
+    from proxy.drain import InFlight
+    from proxy.sendwatch import SendWatch
 
 JSON = "application/json; charset=utf-8"
 
@@ -32,20 +33,42 @@ class Body(Protocol):
     async def read(self, max_bytes: int, timeout_s: float) -> bytes: ...
 
 
+class Answer(Reply, Protocol):
+    """A request's answer as the pipeline sees it, beside what handlers use."""
+
+    status: int  # 0 until its head is made
+    entry: InFlight | None  # the drain's record: a stream it opens is ended well at shutdown
+
+    @property
+    def prepared(self) -> bool:
+        """Its head is written: too late for another answer."""
+        ...
+
+    def end_connection(self) -> None:
+        """No request after this one on the connection (its answer says so)."""
+        ...
+
+
 @dataclass(eq=False)
 class Request:
     method: str
-    path: str  # decoded, as the client sent it
-    path_qs: str  # path and query, as sent (forwarded to the leader)
-    route: str  # the path of the route it matched, from the table (or the config)
+    path: str  # decoded
+    target: str  # the request target as received (path and query)
     headers: Mapping[str, str]
     # The media type alone, lower case (application/octet-stream if none, RFC 9110 §8.3).
     content_type: str
     body: Body
-    reply: Reply  # where a handler that streams writes its answer
+    reply: Answer
     app: web.Application
     request_id: str
+    send_watch: SendWatch | None = None  # the access log says if it cut the request
+    route: str = ""  # the path of the route it matched, from the table (or the config)
     params: Mapping[str, str] = field(default_factory=dict)  # the route's {name} parts
+    # It holds a place in the request limit already (taken when its headers came).
+    admitted: bool = False
+    # The drain's record of it while its body came, left once the pipeline has its own.
+    waited: InFlight | None = None
+    cut: bool = False  # a graceful stop ended it before its body came
 
 
 @dataclass
@@ -62,56 +85,77 @@ def json_response(data: Any, status: int = 200) -> Response:
     return Response(status, json.dumps(data).encode())
 
 
+def error_answer(err: ProxyError) -> Response:
+    """``err`` in the OpenAI shape."""
+    fields = {**error_body(err.message, err.type, err.code, err.param)["error"], **err.extra}
+    return Response(err.status, json.dumps({"error": fields}).encode(), headers=dict(err.headers))
+
+
 Handler = Callable[[Request], Awaitable[Response | None]]
 
 
 @dataclass(frozen=True)
 class Route:
     method: str
-    path: str  # may hold {name} parts
+    path: str  # may hold {name} segments
     handler: Handler
+    head: bool = True  # a GET route answers HEAD too (without a body)
 
 
-# -- aiohttp's server, until the proxy reads its connections itself ----------------
-class _AioBody:
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
+class RouteTable:
+    """Routes by path: exact paths by lookup, ``{name}`` segments in order."""
 
-    async def read(self, max_bytes: int, timeout_s: float) -> bytes:
-        return await inbound.read_body(self.request, max_bytes, timeout_s)
+    def __init__(self, routes: list[Route]) -> None:
+        self.exact: dict[str, dict[str, Route]] = {}
+        self.patterns: list[tuple[list[str], dict[str, Route]]] = []
+        for route in routes:
+            methods = self._methods(route.path)
+            methods[route.method] = route
+            if route.method == "GET" and route.head:
+                methods.setdefault("HEAD", route)
+
+    def _methods(self, path: str) -> dict[str, Route]:
+        if "{" not in path:
+            return self.exact.setdefault(path, {})
+        parts = path.split("/")
+        for pattern, methods in self.patterns:
+            if pattern == parts:
+                return methods
+        self.patterns.append((parts, {}))
+        return self.patterns[-1][1]
+
+    def find(self, method: str, path: str) -> tuple[Route, dict[str, str]] | ProxyError:
+        """The route and its ``{name}`` parts, or the 404 or 405 to answer."""
+        allowed: set[str] = set()
+        methods = self.exact.get(path)
+        if methods is not None:
+            if (route := methods.get(method)) is not None:
+                return route, {}
+            allowed.update(methods)
+        parts = path.split("/")
+        for pattern, methods in self.patterns:
+            params = _match(pattern, parts)
+            if params is None:
+                continue
+            if (route := methods.get(method)) is not None:
+                return route, params
+            allowed.update(methods)
+        if not allowed:
+            return NotFound(f"no route for {method} {path}")
+        listed = ", ".join(sorted(allowed))
+        message = f"{method} is not allowed here; allowed: {listed}"
+        return MethodNotAllowed(message, {"Allow": listed})
 
 
-def aio_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """``route``'s handler as aiohttp's server calls it."""
-
-    async def serve(request: web.Request) -> web.StreamResponse:
-        reply = AioReply(request)
-        req = Request(
-            request.method,
-            request.path,
-            request.path_qs,
-            route.path,
-            request.headers,
-            request.content_type,
-            _AioBody(request),
-            reply,
-            request.app,
-            request[REQUEST_ID],
-            request.match_info,
-        )
-        resp = await route.handler(req)
-        if resp is None:
-            return reply.answer()
-        headers = CIMultiDict(resp.headers)
-        headers["Content-Type"] = resp.content_type
-        return web.Response(body=resp.body, status=resp.status, headers=headers)
-
-    return serve
-
-
-def add_routes(app: web.Application, routes: list[Route]) -> None:
-    for route in routes:
-        if route.method == "GET":  # HEAD too, answered without a body
-            app.router.add_get(route.path, aio_handler(route))
-        else:
-            app.router.add_route(route.method, route.path, aio_handler(route))
+def _match(pattern: list[str], parts: list[str]) -> dict[str, str] | None:
+    if len(pattern) != len(parts):
+        return None
+    params: dict[str, str] = {}
+    for want, got in zip(pattern, parts, strict=True):
+        if want.startswith("{") and want.endswith("}"):
+            if not got:
+                return None
+            params[want[1:-1]] = got
+        elif want != got:
+            return None
+    return params

@@ -1,9 +1,8 @@
 """Where an answer goes: a :class:`Reply` takes a whole answer or opens a stream.
 
-Handlers answer through a Reply, not through aiohttp's response objects, so
-one handler serves both listeners' paths: :class:`AioReply` (aiohttp's
-request and response objects) and the fast lane's (``proxy.fastlane``, bytes
-straight onto the connection).
+Handlers answer through a Reply, not through a server's response objects, so
+one handler serves every listener: aiohttp's (``proxy.aioserve``) and the
+fast lane's (``proxy.fastlane``, bytes straight onto the connection).
 
 Streams are written to the client as HTTP chunks, straight onto its
 transport. aiohttp's ``StreamResponse.write`` goes through a chunked writer,
@@ -19,7 +18,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from aiohttp import web
 from multidict import CIMultiDict
 
 # What may sit in the transport's buffer before the stream waits for the
@@ -90,53 +88,3 @@ class ChunkSink:
 
     async def drain(self) -> None:
         await self._drain()
-
-
-class _WriterSink:
-    """aiohttp's own writer, for an answer it frames otherwise (HTTP/1.0)."""
-
-    direct = False
-
-    def __init__(self, resp: web.StreamResponse) -> None:
-        self.resp = resp
-
-    async def write(self, data: bytes) -> None:
-        await self.resp.write(data)
-
-    def write_now(self, data: bytes) -> bool:
-        raise RuntimeError("not a direct sink")
-
-    async def drain(self) -> None:
-        pass
-
-
-class AioReply:
-    """The answer through aiohttp: the handler returns :attr:`response`."""
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.response: web.StreamResponse | None = None
-
-    async def whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
-        self.response = web.Response(body=body, status=status, headers=headers)
-
-    async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
-        resp = self.response = web.StreamResponse(status=status, headers=headers)
-        await resp.prepare(self.request)
-        # aiohttp wrote the headers; the body is ours to frame unless it is not chunked.
-        if resp.headers.get("Transfer-Encoding", "").lower() != "chunked":
-            return _WriterSink(resp)
-        request = self.request
-        return ChunkSink(lambda: request.transport, request.writer.drain)
-
-    async def close_stream(self) -> None:
-        assert self.response is not None
-        await self.response.write_eof()
-
-    def abort(self) -> None:
-        if self.request.transport is not None:
-            self.request.transport.abort()
-
-    def answer(self) -> web.StreamResponse:
-        assert self.response is not None, "the handler gave no answer"
-        return self.response

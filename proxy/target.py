@@ -17,14 +17,10 @@ query string is not forwarded (no vLLM serving endpoint reads one).
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
 
-from aiohttp import web
 from yarl import URL
 
 from proxy.errors import BadRequest
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # The serving endpoints a client may use, as "METHOD /path".
 DEFAULT_FORWARD = (
@@ -103,13 +99,6 @@ def _check_escapes(part: str, in_path: bool) -> None:
         if not in_path and int(hexes, 16) == 0:
             raise InvalidTarget("the request query has an encoded NUL")
         i = part.find("%", i + 3)
-
-
-@web.middleware
-async def target_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuse targets not in normal form before any handler or auth check runs."""
-    check_target(request.raw_path)
-    return await handler(request)
 
 
 def parse_forward(entry: str) -> tuple[str, str]:

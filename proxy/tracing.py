@@ -17,22 +17,16 @@ The provider is the app's own (no process-global state), shut down with it.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-from aiohttp.typedefs import Middleware
-
-from proxy import accesslog
 from proxy.settings import TracingConfig
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
     from opentelemetry.trace import Span, Status
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 Attrs = Mapping[str, str | int | float | bool]
 
@@ -117,36 +111,8 @@ def _exporter(cfg: TracingConfig) -> SpanProcessor | None:
     return None
 
 
-def middleware(tracing: Tracing) -> Middleware:
-    """A span around each client request, inside the access log's middleware."""
-
-    @web.middleware
-    async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else ""
-        attrs = {
-            "http.request.method": request.method,
-            "url.path": request.path[:512],
-            "ftproxy.request_id": accesslog.request_id() or "",
-        }
-        with tracing.request(f"{request.method} {route}".strip(), request.headers, attrs) as span:
-            try:
-                resp = await handler(request)
-            except (asyncio.CancelledError, ConnectionResetError):
-                span.set_attribute("ftproxy.client_left", True)
-                raise
-            except BaseException:
-                span.set_status(_error())
-                raise
-            span.set_attribute("http.response.status_code", resp.status)
-            if resp.status >= 500:
-                span.set_status(_error())
-            return resp
-
-    return traced
-
-
-def _error() -> Status:
+def error_status() -> Status:
+    """The status of a span whose request failed."""
     from opentelemetry.trace import Status, StatusCode
 
     return Status(StatusCode.ERROR)
