@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import accesslog, admin, aioserve, coordination, drain, generation, models, tracing
+from proxy import accesslog, admin, coordination, drain, generation, models, tracing
 from proxy.accesslog import AccessLog
 from proxy.bounded import Bound
 from proxy.coordination import COORD, Coordination
@@ -86,7 +86,7 @@ async def forward_v1(
     request_id: str,
 ) -> None:
     """A serving request whose body is read (and, if JSON, parsed): checked,
-    then to a healthy rank. Both listener paths (aiohttp's, proxy.fastlane) end here."""
+    then to a healthy rank."""
     if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
         rec.model = parsed["model"][:200]
     strip_auth = bool(app[SETTINGS].api_keys)
@@ -249,6 +249,5 @@ def build_app(
     app[admin.WEIGHTS] = {}
     app[admin.REMOVED] = set()
     app.cleanup_ctx.append(_background("weights", admin.follow_weights))
-    app[PIPELINE] = pipeline = Pipeline(app, routes(settings))
-    app.middlewares.append(aioserve.middleware(pipeline))
+    app[PIPELINE] = Pipeline(app, routes(settings))
     return app

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,9 +64,6 @@ class InFlight:
     task: asyncio.Task[Any] | None
     stream: Stream | None = None  # a prepared SSE answer
     cut: bool = False
-    # Without a task (the fast lane's request whose body is still coming):
-    # how to end it instead of cancelling its task.
-    on_cut: Callable[[], None] | None = None
 
 
 class Drain:
@@ -127,13 +123,11 @@ class Drain:
 
     def cut(self) -> int:
         """End everything still in flight; returns how many were ended."""
-        left = [e for e in self._in_flight if not e.cut and (e.task or e.on_cut) is not None]
+        left = [e for e in self._in_flight if not e.cut and e.task is not None]
         for entry in left:
             entry.cut = True
             if entry.task is not None:
                 entry.task.cancel()
-            elif entry.on_cut is not None:
-                entry.on_cut()
         return len(left)
 
 
@@ -174,17 +168,22 @@ DRAIN = web.AppKey("drain", Drain)
 ROUTES = [Route("GET", "/ready", ready), Route("GET", "/live", live)]
 
 
-async def graceful_stop(runner: web.AppRunner, drain: Drain, cfg: Shutdown) -> None:
-    """The SIGTERM sequence; ends with the runner cleaned up."""
+class Server(Protocol):
+    async def stop_listening(self) -> None: ...
+
+    async def cleanup(self) -> None: ...
+
+
+async def graceful_stop(server: Server, drain: Drain, cfg: Shutdown) -> None:
+    """The SIGTERM sequence; ends with the server cleaned up."""
     drain.begin()
     log.info("draining: /ready is 503; still serving for %.1fs", cfg.ready_delay_s)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(drain.hurry.wait(), cfg.ready_delay_s)
-    for site in list(runner.sites):
-        await site.stop()
+    await server.stop_listening()
     log.info("listener closed; %d request(s) in flight get %.1fs", drain.in_flight, cfg.grace_s)
     if not await drain.wait_idle(cfg.grace_s):
         ended = drain.cut()
         log.warning("grace period over: ending %d request(s) with proxy_shutdown", ended)
         await drain.wait_idle(CUT_WAIT_S)
-    await runner.cleanup()
+    await server.cleanup()

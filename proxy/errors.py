@@ -17,10 +17,7 @@ they occur into one of these, so handlers deal with a small, known set::
 
 from __future__ import annotations
 
-import json
 from typing import Any
-
-from aiohttp import web
 
 
 class ProxyError(Exception):
@@ -120,17 +117,3 @@ def error_body(
     message: str, type_: str, code: str, param: str | None = None
 ) -> dict[str, dict[str, str | None]]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_response(err: ProxyError) -> web.Response:
-    fields: dict[str, Any] = {
-        **error_body(err.message, err.type, err.code, err.param)["error"],
-        **err.extra,
-    }
-    body = {"error": fields}
-    return web.Response(
-        status=err.status,
-        text=json.dumps(body),
-        content_type="application/json",
-        headers=err.headers,
-    )

@@ -6,16 +6,12 @@ into an OpenAI-shaped answer for this request alone.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import os
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestPayloadError
 from pydantic import SecretStr
 
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized
@@ -33,61 +29,18 @@ class BodyUnreadable(BadRequest):
     close_connection = True
 
 
-# aiohttp's parser decodes these (within client_max_size, counted decoded);
+# The connection decodes these as the body comes (counted decoded, proxy.protocol);
 # the body is forwarded decoded, without its Content-Encoding.
-_DECODED = frozenset({"gzip", "deflate", "identity", ""})
+DECODED = frozenset({"gzip", "deflate", "identity", ""})
 
 
-def _too_large(max_bytes: int) -> PayloadTooLarge:
+def too_large(max_bytes: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (decoded)")
 
 
 class RequestTimeout(ProxyError):
     status, type, code = 408, "invalid_request_error", "request_timeout"
     close_connection = True
-
-
-async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding not in _DECODED:
-        raise UnsupportedMediaType(
-            f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none"
-        )
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise _too_large(max_bytes)
-    try:
-        if request.content.is_eof():
-            # All in already (a small body comes with its headers): no timer,
-            # no read loop. Counted decoded, as _read_bounded counts it.
-            body = request.content.read_nowait()
-            if len(body) > max_bytes:
-                raise _too_large(max_bytes)
-            return body
-        async with asyncio.timeout(timeout_s):  # a slow body holds a socket and a task
-            return await _read_bounded(request.content, max_bytes)
-    except TimeoutError:
-        raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
-    except RequestPayloadError:  # a gzip body that is not gzip, a bad chunk or trailer
-        raise BodyUnreadable(
-            "request body cannot be read (chunked framing) or decoded (Content-Encoding)"
-        ) from None
-
-
-async def _read_bounded(content: StreamReader, max_bytes: int) -> bytes:
-    """The body as it comes, refused once over ``max_bytes``. Not
-    ``request.read()``: it raises the stream's buffer to the body limit, so
-    a gzip bomb was decoded a body limit at a time into a buffer of twice
-    that, beside the body read so far (peak RSS rose ~90 MB on the 8 MiB
-    default). At the stream's own buffer size aiohttp decodes 64 KiB at a
-    time, and only as this reads: what is held stays near ``max_bytes``."""
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await content.readany():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-    return b"".join(chunks)
 
 
 async def read_json(

@@ -27,7 +27,7 @@ from proxy.accesslog import AccessLog, AccessRecord, End
 from proxy.admin import check_admin_token
 from proxy.drain import DRAIN, InFlight, end_cut
 from proxy.errors import ProxyError
-from proxy.limits import EXEMPT, RequestLimit
+from proxy.limits import EXEMPT
 from proxy.routes import Request, Response, Route, RouteTable, error_answer
 from proxy.sendwatch import client_end
 from proxy.state import ACCESS_LOG, LIMIT, METRICS, SETTINGS, TRACING
@@ -104,14 +104,7 @@ class Pipeline:
     async def _drained(self, req: Request, found: _Found) -> None:
         """In flight until answered: a graceful stop that cuts it still ends it well."""
         entry = req.reply.entry = self.drain.enter()
-        if req.waited is not None:  # in flight since its headers (the fast lane)
-            self.drain.leave(req.waited)
-            req.waited = None
         try:
-            if req.cut:
-                entry.cut = True
-                await self._end_cut(req, entry)
-                return
             await self._guarded(req, found)
         except asyncio.CancelledError:
             if not entry.cut:
@@ -161,13 +154,11 @@ class Pipeline:
         if req.path in EXEMPT:  # probes answer however busy the proxy is
             await self._handled(req, found)
             return
-        if not req.admitted:
-            self.limit.admit()
-            req.admitted = True
+        self.limit.admit()
         try:
             await self._handled(req, found)
         finally:
-            release(self.limit, req)
+            self.limit.release()
 
     async def _handled(self, req: Request, found: _Found) -> None:
         if req.path.startswith("/admin/"):
@@ -178,13 +169,6 @@ class Pipeline:
         req.route = route.path
         if (resp := await route.handler(req)) is not None:
             await answer(req, resp)
-
-
-def release(limit: RequestLimit, req: Request) -> None:
-    """Give back ``req``'s place in the request limit, if it holds one (once)."""
-    if req.admitted:
-        req.admitted = False
-        limit.release()
 
 
 PIPELINE = web.AppKey("pipeline", Pipeline)

@@ -64,11 +64,6 @@ class Request:
     send_watch: SendWatch | None = None  # the access log says if it cut the request
     route: str = ""  # the path of the route it matched, from the table (or the config)
     params: Mapping[str, str] = field(default_factory=dict)  # the route's {name} parts
-    # It holds a place in the request limit already (taken when its headers came).
-    admitted: bool = False
-    # The drain's record of it while its body came, left once the pipeline has its own.
-    waited: InFlight | None = None
-    cut: bool = False  # a graceful stop ended it before its body came
 
 
 @dataclass

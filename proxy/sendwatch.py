@@ -2,7 +2,7 @@
 
 The proxy waits for a client only while its connection's transport holds
 more than the high-water mark unsent (asyncio calls ``pause_writing``; every
-drain, on both listeners' paths, waits for ``resume_writing``). Nothing else
+drain waits for ``resume_writing``). Nothing else
 bounds that wait: a client that stops reading would keep its rank's
 connection, its place in the request limit and the unsent answer for as long
 as its socket stays open. While the transport is paused, the watch checks
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
-from aiohttp import web
 
 from proxy.accesslog import End
 
@@ -87,7 +85,6 @@ class SendWatch:
 
 
 # The watch of the connection a request came on (set by proxy.listener).
-SEND_WATCH = web.RequestKey("send_watch", SendWatch)
 
 
 def client_end(watch: SendWatch | None) -> End:

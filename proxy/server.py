@@ -18,8 +18,8 @@ from proxy.app import build_app
 from proxy.coordination import Coordination
 from proxy.drain import DRAIN, Drain, graceful_stop
 from proxy.errors import ProxyError
-from proxy.fastlane import Lane
-from proxy.listener import OpenAIErrorsServer, Runner, TLSSite, TLSSockSite
+from proxy.pipeline import PIPELINE
+from proxy.protocol import Listener
 from proxy.settings import Settings
 from proxy.state import LISTENER_TLS, SETTINGS
 
@@ -30,8 +30,9 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 @dataclass
 class Running:
-    runner: web.AppRunner
     app: web.Application
+    listener: Listener
+    servers: list[asyncio.AbstractServer]
     port: int
     scheme: str = "http"
     stopped: bool = False
@@ -46,23 +47,28 @@ class Running:
         if not self.stopped:
             self.stopped = True
             self._cancel_tasks()
-            await graceful_stop(self.runner, self.drain, self.app[SETTINGS].shutdown)
-
-    @property
-    def lane(self) -> Lane | None:
-        """The fast lane (proxy.fastlane), if on."""
-        server = self.runner.server
-        return server.lane if isinstance(server, OpenAIErrorsServer) else None
+            await graceful_stop(self, self.drain, self.app[SETTINGS].shutdown)
 
     @property
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
+    async def stop_listening(self) -> None:
+        for server in self.servers:
+            server.close()
+
+    async def cleanup(self) -> None:
+        """Connections closed (answers under way get a moment), then the app's tasks."""
+        await self.stop_listening()
+        await self.listener.close_all(SHUTDOWN_TIMEOUT_S)
+        await self.app.shutdown()
+        await self.app.cleanup()
+
     async def stop(self) -> None:
         if not self.stopped:
             self.stopped = True
             self._cancel_tasks()
-            await self.runner.cleanup()
+            await self.cleanup()
 
     def _cancel_tasks(self) -> None:
         for task in self.tasks:
@@ -85,32 +91,27 @@ async def start(
     ctx = tls.context() if tls is not None else None
     if ctx is not None:
         app[LISTENER_TLS] = ctx  # the config reload rotates its certificate
-    # handler_cancellation: a client that disconnects cancels its handler,
-    # which closes the upstream request at once.
-    runner = Runner(
-        app,
-        settings.limits,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-    )
-    await runner.setup()
-    host, port = settings.listen.host, settings.listen.port
-    handshake_s = settings.limits.header_timeout_s  # a TLS handshake counts as header time
-    site: web.BaseSite
-    if ctx is not None and sock is not None:
-        site = TLSSockSite(runner, sock, ssl_context=ctx, handshake_s=handshake_s)
-    elif ctx is not None:
-        site = TLSSite(runner, host, port, ssl_context=ctx, handshake_s=handshake_s, backlog=1024)
-    elif sock is not None:
-        site = web.SockSite(runner, sock)
+    app.on_startup.freeze()
+    await app.startup()  # the background tasks (cleanup_ctx) start
+    app.freeze()
+    listener = Listener(app[PIPELINE], settings.limits)
+    loop = asyncio.get_running_loop()
+    # asyncio allows a TLS handshake 60 s; it counts as header time here, so a
+    # client that connects and never speaks TLS holds no descriptor that long.
+    handshake_s = settings.limits.header_timeout_s if ctx is not None else None
+    if sock is not None:
+        server = await loop.create_server(
+            listener, sock=sock, ssl=ctx, ssl_handshake_timeout=handshake_s
+        )
     else:
-        site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
-    port = runner.addresses[0][1]
-    running = Running(runner, app, port, "https" if ctx is not None else "http")
+        host, port = settings.listen.host, settings.listen.port
+        server = await loop.create_server(
+            listener, host, port, ssl=ctx, backlog=1024, ssl_handshake_timeout=handshake_s
+        )
+    port = server.sockets[0].getsockname()[1]
+    running = Running(app, listener, [server], port, "https" if ctx is not None else "http")
     if coord is not None and coord.leader_socket is not None:
-        running.tasks.append(asyncio.create_task(_leader_socket(runner, coord)))
+        running.tasks.append(asyncio.create_task(_leader_socket(running, coord)))
     return running
 
 
@@ -123,14 +124,16 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-async def _leader_socket(runner: web.AppRunner, coord: Coordination) -> None:
-    """Once this process leads, answer the other workers' forwarded admin calls."""
+async def _leader_socket(running: Running, coord: Coordination) -> None:
+    """Once this process leads, answer the other workers' forwarded admin calls
+    (the same connections and pipeline as the port's, on a unix socket)."""
     await coord.wait_leader()
     path = coord.leader_socket
     assert path is not None
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # left by a leader that died
-    await web.UnixSite(runner, str(path)).start()
+    loop = asyncio.get_running_loop()
+    running.servers.append(await loop.create_unix_server(running.listener, str(path)))
 
 
 def _reload(app: web.Application) -> None:

@@ -1,8 +1,7 @@
 """Where an answer goes: a :class:`Reply` takes a whole answer or opens a stream.
 
-Handlers answer through a Reply, not through a server's response objects, so
-one handler serves every listener: aiohttp's (``proxy.aioserve``) and the
-fast lane's (``proxy.fastlane``, bytes straight onto the connection).
+Handlers answer through a Reply, not through a server's response objects: the
+connection's (``proxy.protocol.ConnReply``) writes bytes straight onto it.
 
 Streams are written to the client as HTTP chunks, straight onto its
 transport. aiohttp's ``StreamResponse.write`` goes through a chunked writer,

@@ -34,4 +34,3 @@ CONFIG_PATH = web.AppKey("config_path", Path)
 LIMIT = web.AppKey("limit", RequestLimit)
 # The HTTPS listener's context, reloaded in place with the config (SIGHUP).
 LISTENER_TLS = web.AppKey("listener_tls", ssl.SSLContext)
-REQUEST_ID = web.RequestKey("request_id", str)

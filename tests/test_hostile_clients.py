@@ -1,5 +1,5 @@
-"""Nothing of one client request becomes part of another, on both listener
-paths (the fast lane, and ``listen.fast_lane: false``): request trailers,
+"""Nothing of one client request becomes part of another (with
+``listen.fast_lane`` on and off, which changes nothing now): request trailers,
 upgrade requests, answers without a body, and the headers a client names
 hop-by-hop. Raw sockets, so each test controls every byte the proxy reads.
 """
@@ -19,11 +19,10 @@ from multidict import CIMultiDict
 
 from proxy import drain
 from proxy.drain import Drain
-from proxy.fastlane import LaneReply
 from proxy.server import Running
 from proxy.settings import Settings
 from tests.conftest import settings_for
-from tests.test_fastlane import BODY, STREAM, Answer, _Answers, _Conn, head
+from tests.test_fastlane import BODY, STREAM, Answer, _Answers, _Conn, conn_reply, head
 
 KEY = "Authorization: Bearer k-1"
 DETOKENIZE = b'{"model": "fake-model", "tokens": [1, 2]}'
@@ -348,7 +347,6 @@ async def test_an_answer_without_a_body_to_a_stream_keeps_the_connection_in_step
     client read as the next answer's status line."""
     raw_rank.answer = lambda: b"HTTP/1.1 %b\r\ncontent-type: text/event-stream\r\n\r\n" % status
     p = await _over(proxy, raw_rank, lane)
-    assert (p.lane is not None) == lane
     conv = await talk(p.port, head(STREAM) + STREAM + head(BODY) + BODY)
     answers = await conv.read_for(3, answers=2)
     code = int(status.split()[0])
@@ -363,7 +361,7 @@ async def test_a_drain_cut_writes_nothing_after_an_answer_without_a_body(status)
     """A graceful stop that ends such a "stream" adds no error event (nor a
     503 after it): the answer was whole with its head."""
     conn, drain_ = _Conn(), Drain()
-    reply = LaneReply(conn, drain_, "rid-1", keep_alive=True)  # type: ignore[arg-type]
+    reply = conn_reply(conn, drain_)
     reply.entry = entry = drain_.enter()
     await reply.open_stream(status, CIMultiDict({"Content-Type": "text/event-stream"}))
     assert await drain.end_cut(entry) is None

@@ -34,16 +34,8 @@ JSON_LOGS = {"access_log": True, "format": "json"}
 SOCKET_BUFFER = 4096
 
 
-@pytest.fixture(params=[True, False], ids=["lane", "aiohttp"])
-def fast_lane(request: pytest.FixtureRequest) -> bool:
-    return bool(request.param)
-
-
-async def _proxy(
-    proxy: Callable[..., Any], rank: FakeRank, fast_lane: bool, **extra: Any
-) -> Running:
+async def _proxy(proxy: Callable[..., Any], rank: FakeRank, **extra: Any) -> Running:
     settings = settings_for([rank], logging=JSON_LOGS, **extra)
-    settings.listen.fast_lane = fast_lane
     running: Running = await proxy(settings)
     return running
 
@@ -72,7 +64,7 @@ class Client:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", p.port))
-        server = p.runner.server
+        server = p.listener
         assert server is not None
         assert await until(lambda: len(server.connections) == 1, 5.0)
         (handler,) = server.connections
@@ -130,24 +122,17 @@ async def _access_line(out: Any) -> dict[str, Any]:
     return parsed
 
 
-def _took(p: Running, fast_lane: bool) -> None:
-    """The lane took the request when it is on (else aiohttp's path did)."""
-    assert (p.lane is not None and p.lane.served == 1) == fast_lane
-
-
 def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 # -- a client slower than the rank is no stall of the rank's ----------------------
-async def test_a_client_pausing_its_reads_is_no_stall_of_the_ranks(
-    fakes: Any, proxy: Any, fast_lane: bool
-) -> None:
+async def test_a_client_pausing_its_reads_is_no_stall_of_the_ranks(fakes: Any, proxy: Any) -> None:
     """Measured before: a client pausing 3 s (stall_s 0.5, timeout_s 1.0) got
     its healthy stream held at the stall, then cut with hold_timeout."""
     rank = await fakes(name="a")
     hold = {"keepalive_s": 0.1, "stall_s": 0.5, "timeout_s": 1.0}
-    p = await _proxy(proxy, rank, fast_lane, hold=hold)
+    p = await _proxy(proxy, rank, hold=hold)
     out = capture_access_log(p)
     client = await Client.connect(p)
     try:
@@ -160,19 +145,16 @@ async def test_a_client_pausing_its_reads_is_no_stall_of_the_ranks(
     line = await _access_line(out)
     assert (line["holds"], line["continuations"], line["end"]) == (0, 0, "finished"), line
     assert len(rank.received) == 1 and rank.disconnects == 0  # asked once, never cut
-    _took(p, fast_lane)
 
 
-async def test_a_silent_rank_is_held_while_the_client_reads(
-    fakes: Any, proxy: Any, fast_lane: bool
-) -> None:
+async def test_a_silent_rank_is_held_while_the_client_reads(fakes: Any, proxy: Any) -> None:
     """A rank that is silent while the proxy reads it is still a stall: held
     (keepalives to the client), and relayed on when its engine resumes."""
     rank = await fakes(
         name="a", resume=True, fault_after=5, auto_recover_s=1.0, reports_fault=False
     )
     hold = {"keepalive_s": 0.1, "stall_s": 0.3, "timeout_s": 5.0}
-    p = await _proxy(proxy, rank, fast_lane, hold=hold)
+    p = await _proxy(proxy, rank, hold=hold)
     out = capture_access_log(p)
     client = await Client.connect(p)
     try:
@@ -186,11 +168,10 @@ async def test_a_silent_rank_is_held_while_the_client_reads(
     assert (line["holds"], line["end"], line["continuations"]) == (1, "finished", 0), line
     assert line["hold_s"] >= 0.3
     assert p.app[METRICS].resumes.labels("engine")._value.get() == 1
-    _took(p, fast_lane)
 
 
 async def test_a_rank_silent_after_a_slow_client_caught_up_is_held_once(
-    fakes: Any, proxy: Any, fast_lane: bool
+    fakes: Any, proxy: Any
 ) -> None:
     """The pause is not held; the rank's own silence after it still is. The
     rank streams at most 500 tokens a second: the pause fills the buffers
@@ -206,7 +187,7 @@ async def test_a_rank_silent_after_a_slow_client_caught_up_is_held_once(
         reports_fault=False,
     )
     hold = {"keepalive_s": 0.1, "stall_s": 1.0, "timeout_s": 3.0}
-    p = await _proxy(proxy, rank, fast_lane, hold=hold)
+    p = await _proxy(proxy, rank, hold=hold)
     out = capture_access_log(p)
     client = await Client.connect(p)
     try:
@@ -220,26 +201,25 @@ async def test_a_rank_silent_after_a_slow_client_caught_up_is_held_once(
     line = await _access_line(out)
     assert (line["holds"], line["continuations"], line["end"]) == (1, 0, "finished"), line
     assert p.app[METRICS].resumes.labels("engine")._value.get() == 1
-    _took(p, fast_lane)
     assert len(rank.received) == 1
 
 
 # -- a client that stops reading is cut -----------------------------------------
 async def test_a_client_that_stops_reading_a_stream_is_cut(
-    fakes: Any, proxy: Any, fast_lane: bool, caplog: pytest.LogCaptureFixture
+    fakes: Any, proxy: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Before: nothing bounded it; the rank's connection, the request's place
     in the limit and the unsent answer were held as long as the socket was."""
     caplog.set_level(logging.INFO)
     rank = await fakes(name="a")
-    p = await _proxy(proxy, rank, fast_lane, limits={"send_timeout_s": 0.5})
+    p = await _proxy(proxy, rank, limits={"send_timeout_s": 0.5})
     out = capture_access_log(p)
     client = await Client.connect(p)
     try:
         await client.send(_request({"max_tokens": 1_000_000, "stream": True}))
         # Never read: the answer fills the buffers, then nothing is taken.
         assert await until(lambda: rank.disconnects == 1, 5.0), "the upstream was not closed"
-        server = p.runner.server
+        server = p.listener
         assert server is not None
         assert await until(lambda: not server.connections, 2.0), "the client was not cut"
         assert p.app[LIMIT].in_flight == 0
@@ -254,21 +234,20 @@ async def test_a_client_that_stops_reading_a_stream_is_cut(
     assert metrics.internal_errors._value.get() == 0
     assert metrics.streams_held._value.get() == 0
     assert not _errors(caplog)
-    _took(p, fast_lane)
 
 
 async def test_a_client_that_stops_reading_a_whole_answer_is_cut(
-    fakes: Any, proxy: Any, fast_lane: bool, caplog: pytest.LogCaptureFixture
+    fakes: Any, proxy: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The rank's part is over (the answer was read whole), but the answer
     waiting in the proxy for the client to read it is not kept forever."""
     caplog.set_level(logging.INFO)
     rank = await fakes(name="a")
-    p = await _proxy(proxy, rank, fast_lane, limits={"send_timeout_s": 0.5})
+    p = await _proxy(proxy, rank, limits={"send_timeout_s": 0.5})
     client = await Client.connect(p)
     try:
         await client.send(_request({"max_tokens": 40_000}))  # ~200 KB, never read
-        server = p.runner.server
+        server = p.listener
         assert server is not None
         assert await until(lambda: rank.streamed == 40_000, 10.0)
         assert await until(lambda: not server.connections, 3.0), "the client was not cut"
@@ -276,17 +255,14 @@ async def test_a_client_that_stops_reading_a_whole_answer_is_cut(
         client.close()
     assert p.app[METRICS].internal_errors._value.get() == 0
     assert not _errors(caplog)
-    _took(p, fast_lane)
 
 
-async def test_a_client_reading_slowly_but_steadily_is_not_cut(
-    fakes: Any, proxy: Any, fast_lane: bool
-) -> None:
+async def test_a_client_reading_slowly_but_steadily_is_not_cut(fakes: Any, proxy: Any) -> None:
     """The bound is on a client that takes nothing, not on how long the proxy
     waits for one that takes little: waits longer than send_timeout_s in all,
     each ended by bytes taken, are a whole answer."""
     rank = await fakes(name="a")
-    p = await _proxy(proxy, rank, fast_lane, limits={"send_timeout_s": 1.0})
+    p = await _proxy(proxy, rank, limits={"send_timeout_s": 1.0})
     out = capture_access_log(p)
     client = await Client.connect(p)
     loop = asyncio.get_running_loop()
@@ -304,7 +280,6 @@ async def test_a_client_reading_slowly_but_steadily_is_not_cut(
     assert loop.time() - started > 2.0, "the client was not slower than the proxy"
     line = await _access_line(out)
     assert (line["end"], line["status"]) == ("finished", 200), line
-    _took(p, fast_lane)
 
 
 def test_send_timeout_s_defaults_to_five_minutes_and_must_be_positive() -> None:
