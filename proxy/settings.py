@@ -28,8 +28,8 @@ class Listen(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     tls: ListenerTLS | None = None  # set: HTTPS only on this port (proxy.tls)
-    # Completions and chat of the common shape skip aiohttp's request
-    # machinery (proxy.fastlane); off: every request takes aiohttp's path.
+    # Accepted and of no effect: every request takes the one connection
+    # protocol (proxy.protocol), which the fast lane of old versions became.
     fast_lane: bool = True
 
 
