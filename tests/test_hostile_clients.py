@@ -1,5 +1,4 @@
-"""Nothing of one client request becomes part of another (with
-``listen.fast_lane`` on and off, which changes nothing now): request trailers,
+"""Nothing of one client request becomes part of another: request trailers,
 upgrade requests, answers without a body, and the headers a client names
 hop-by-hop. Raw sockets, so each test controls every byte the proxy reads.
 """
@@ -98,17 +97,11 @@ async def talk() -> AsyncIterator[Callable[..., Awaitable[Conversation]]]:
             await writer.wait_closed()
 
 
-@pytest.fixture(params=[True, False], ids=["lane", "aiohttp"])
-def lane(request: pytest.FixtureRequest) -> bool:
-    return bool(request.param)
-
-
 @pytest.fixture
-async def keyed(fakes, proxy, lane) -> tuple[Running, Any]:
-    """A proxy that requires an API key, the lane on or off, over one fake rank."""
+async def keyed(fakes, proxy) -> tuple[Running, Any]:
+    """A proxy that requires an API key, over one fake rank."""
     rank = await fakes(name="a")
     s = settings_for([rank], api_keys=["k-1"], limits={"keepalive_timeout_s": 10})
-    s.listen.fast_lane = lane
     return await proxy(s), rank
 
 
@@ -327,9 +320,9 @@ async def raw_rank() -> AsyncIterator[RawRank]:
     await server.wait_closed()
 
 
-async def _over(proxy: Any, rank: RawRank, lane: bool) -> Running:
+async def _over(proxy: Any, rank: RawRank) -> Running:
     settings = Settings(
-        listen={"host": "127.0.0.1", "port": 0, "fast_lane": lane},
+        listen={"host": "127.0.0.1", "port": 0},
         groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{rank.port}"}]}],
         timeouts={"poll_interval_s": 0.5}, limits={"keepalive_timeout_s": 10},
     )  # fmt: skip
@@ -339,14 +332,14 @@ async def _over(proxy: Any, rank: RawRank, lane: bool) -> Running:
 
 @pytest.mark.parametrize("status", [b"204 No Content", b"304 Not Modified"])
 async def test_an_answer_without_a_body_to_a_stream_keeps_the_connection_in_step(
-    proxy, raw_rank, lane, talk, status
+    proxy, raw_rank, talk, status
 ) -> None:
     """A 204 or 304 (here to a ``stream: true`` request, labeled an event
     stream) has no body, so no ``Transfer-Encoding`` and no last chunk
-    (RFC 9112 §6.3): the lane wrote ``0\\r\\n\\r\\n`` after the head, which the
-    client read as the next answer's status line."""
+    (RFC 9112 §6.3): a ``0\\r\\n\\r\\n`` after the head (as the fast lane of old
+    wrote) is read by the client as the next answer's status line."""
     raw_rank.answer = lambda: b"HTTP/1.1 %b\r\ncontent-type: text/event-stream\r\n\r\n" % status
-    p = await _over(proxy, raw_rank, lane)
+    p = await _over(proxy, raw_rank)
     conv = await talk(p.port, head(STREAM) + STREAM + head(BODY) + BODY)
     answers = await conv.read_for(3, answers=2)
     code = int(status.split()[0])
@@ -371,11 +364,10 @@ async def test_a_drain_cut_writes_nothing_after_an_answer_without_a_body(status)
     assert written.count(b"\r\n\r\n") == 1, written
 
 
-async def test_an_answer_to_head_has_no_body(proxy, raw_rank, lane, talk) -> None:
-    """HEAD requests (aiohttp's path on either listener: the lane takes POST
-    only) are answered without a body, whatever the route answers, and the
-    next request on the connection is read in step."""
-    p = await _over(proxy, raw_rank, lane)
+async def test_an_answer_to_head_has_no_body(proxy, raw_rank, talk) -> None:
+    """HEAD requests are answered without a body, whatever the route
+    answers, and the next request on the connection is read in step."""
+    p = await _over(proxy, raw_rank)
     heads = [b"HEAD %b HTTP/1.1\r\nHost: p\r\n\r\n" % path
              for path in (b"/health", b"/v1/models", b"/v1/completions", b"/nowhere")]  # fmt: skip
     conv = await talk(p.port, b"".join(heads) + b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n")
@@ -388,10 +380,9 @@ async def test_an_answer_to_head_has_no_body(proxy, raw_rank, lane, talk) -> Non
 
 # -- X-Request-Id ----------------------------------------------------------------
 @pytest.mark.parametrize("given", [None, "mine-42"])
-async def test_a_streamed_answer_carries_its_request_id(fakes, proxy, lane, talk, given) -> None:
+async def test_a_streamed_answer_carries_its_request_id(fakes, proxy, talk, given) -> None:
     rank = await fakes(name="a")
     s = settings_for([rank])
-    s.listen.fast_lane = lane
     p = await proxy(s)
     extra = (f"X-Request-Id: {given}",) if given else ()
     conv = await talk(p.port, head(STREAM, *extra) + STREAM)
@@ -411,11 +402,10 @@ async def test_a_streamed_answer_carries_its_request_id(fakes, proxy, lane, talk
     ids=["parser error", "header timeout"],
 )
 async def test_answers_made_without_a_request_carry_a_request_id(
-    fakes, proxy, lane, talk, raw, status
+    fakes, proxy, talk, raw, status
 ) -> None:
     rank = await fakes(name="a")
     s = settings_for([rank], limits={"header_timeout_s": 0.3})
-    s.listen.fast_lane = lane
     p = await proxy(s)
     conv = await talk(p.port, raw)
     (answer,) = await conv.read_for(3, answers=1)
@@ -425,13 +415,13 @@ async def test_answers_made_without_a_request_carry_a_request_id(
 
 
 # -- hop-by-hop headers ----------------------------------------------------------
-async def test_headers_named_in_connection_are_not_forwarded(proxy, raw_rank, lane, talk) -> None:
+async def test_headers_named_in_connection_are_not_forwarded(proxy, raw_rank, talk) -> None:
     """RFC 9110 §7.6.1: the fields a ``Connection`` header names are for this
     hop only; a proxy removes them (with the hop-by-hop set) before
     forwarding, in either direction."""
     hop = b"connection: x-rank-hop\r\nx-rank-hop: r\r\nx-rank-kept: k\r\n"
     raw_rank.answer = lambda: _whole(b"200 OK", b'{"choices": []}', hop)
-    p = await _over(proxy, raw_rank, lane)
+    p = await _over(proxy, raw_rank)
     hops = ("Connection: keep-alive, X-Hop", "X-Hop: secret", "Connection: X-Second",
             "X-Second: 2", "X-Kept: yes")  # fmt: skip
     conv = await talk(p.port, head(BODY, *hops) + BODY)

@@ -84,9 +84,9 @@ class _Flood:
             await asyncio.sleep(0)
 
 
-async def _proxy(proxy: Callable[..., Any], port: int, lane: bool = True, **limits: Any) -> Running:
+async def _proxy(proxy: Callable[..., Any], port: int, **limits: Any) -> Running:
     settings = Settings(
-        listen={"host": "127.0.0.1", "port": 0, "fast_lane": lane},
+        listen={"host": "127.0.0.1", "port": 0},
         groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}]}],
         timeouts={"poll_interval_s": 0.5}, limits=limits,
     )  # fmt: skip
@@ -354,7 +354,7 @@ async def test_an_event_stream_from_an_endpoint_not_continued_and_lost_is_cut_no
         asyncio.get_running_loop().call_later(0.1, _reset, conn)
 
     _Rank.misbehave = cut
-    running = await _proxy(proxy, rank, lane=False)  # the lane takes no /tokenize
+    running = await _proxy(proxy, rank)
     log = capture_access_log(running)
     raw = await _post_raw(running.port, {"model": "m", "prompt": "x"}, "/tokenize")
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -421,9 +421,8 @@ def _reset(conn: Conn) -> None:
     conn.transport.abort()
 
 
-@pytest.mark.parametrize("lane", [True, False])
 async def test_a_trailer_of_one_answer_is_no_header_of_the_next_clients(
-    rank: int, proxy: Callable[..., Any], lane: bool
+    rank: int, proxy: Callable[..., Any]
 ) -> None:
     conns: list[int] = []
 
@@ -438,7 +437,7 @@ async def test_a_trailer_of_one_answer_is_no_header_of_the_next_clients(
         conn.done()
 
     _Rank.misbehave = trailed
-    running = await _proxy(proxy, rank, lane)
+    running = await _proxy(proxy, rank)
     first = await _post(running.port, {**BODY, "stream": False, "trailed": True})
     assert first.status == 200 and orjson.loads(first.body)["choices"][0]["text"] == "x"
     for stream in (False, True):  # the next client, on the pooled connection
@@ -452,9 +451,8 @@ async def test_a_trailer_of_one_answer_is_no_header_of_the_next_clients(
         assert trailer not in _Rank.heads  # nor reached the rank
 
 
-@pytest.mark.parametrize("lane", [True, False])
 async def test_a_status_outside_100_to_599_is_a_502_at_once_and_frees_its_place(
-    rank: int, proxy: Callable[..., Any], lane: bool
+    rank: int, proxy: Callable[..., Any]
 ) -> None:
     def bad_status(conn: Conn, body: dict[str, Any]) -> None:
         conn.write(
@@ -464,7 +462,7 @@ async def test_a_status_outside_100_to_599_is_a_502_at_once_and_frees_its_place(
         conn.done()
 
     _Rank.misbehave = bad_status
-    running = await _proxy(proxy, rank, lane, max_requests=2)
+    running = await _proxy(proxy, rank, max_requests=2)
     loop = asyncio.get_running_loop()
     for status in ("000", "099", "600"):
         for stream in (False, True):
@@ -509,7 +507,7 @@ async def test_a_close_delimited_answer_cut_by_a_reset_is_a_502_not_complete(
     rank: int, proxy: Callable[..., Any]
 ) -> None:
     _Rank.misbehave = _cut_by_reset(b'{"partial":')
-    running = await _proxy(proxy, rank, lane=False)  # the lane takes no /tokenize
+    running = await _proxy(proxy, rank)
     log = capture_access_log(running)
     answer = await _post(running.port, {"model": "m", "prompt": "x"}, "/tokenize")
     assert answer.status == 502, answer.body[:200]
@@ -518,14 +516,13 @@ async def test_a_close_delimited_answer_cut_by_a_reset_is_a_502_not_complete(
     assert await until(lambda: "end=upstream_error" in log.getvalue(), 2.0), log.getvalue()
 
 
-@pytest.mark.parametrize("lane", [True, False])
 async def test_a_whole_completion_cut_by_a_reset_is_generated_again_not_passed_on(
-    rank: int, proxy: Callable[..., Any], lane: bool
+    rank: int, proxy: Callable[..., Any]
 ) -> None:
     """All of a JSON object came, then the reset: nothing says the answer
     ended, so the client gets no part of it but the answer asked again."""
     _Rank.misbehave = _cut_by_reset(WHOLE)
-    running = await _proxy(proxy, rank, lane)
+    running = await _proxy(proxy, rank)
     ask = {"model": "m", "prompt": "x", "max_tokens": 12}
     answer = await _post(running.port, ask)
     assert answer.status == 200, answer.body[:200]
@@ -546,13 +543,11 @@ async def test_a_header_byte_that_is_not_utf8_goes_out_the_same_on_both_paths(
         conn.done()
 
     _Rank.misbehave = odd_header
-    seen: list[bytes | None] = []
-    for lane in (True, False):
-        running = await _proxy(proxy, rank, lane)
-        answer = await _post(running.port, {**BODY, "stream": stream})
-        assert answer.status == 200, answer.body[:200]
-        seen.append(answer.header(b"x-odd"))
-    assert seen == [b"a\xef\xbf\xbdb\xc3\xa9"] * 2  # U+FFFD for the byte, the rest as sent
+    running = await _proxy(proxy, rank)
+    answer = await _post(running.port, {**BODY, "stream": stream})
+    assert answer.status == 200, answer.body[:200]
+    # U+FFFD for the byte, the rest as sent.
+    assert answer.header(b"x-odd") == b"a\xef\xbf\xbdb\xc3\xa9"
 
 
 async def test_every_connection_busy_is_a_502_after_the_queue_time_not_a_rank_down(
@@ -579,9 +574,8 @@ async def test_every_connection_busy_is_a_502_after_the_queue_time_not_a_rank_do
     assert running.app[TABLE].ranks["r0"].routable
 
 
-@pytest.mark.parametrize("lane", [True, False])
 async def test_an_answer_passed_on_as_a_stream_and_lost_is_cut_not_an_internal_error(
-    rank: int, proxy: Callable[..., Any], lane: bool, caplog: pytest.LogCaptureFixture
+    rank: int, proxy: Callable[..., Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """An error answer that is a stream goes to the client as it comes; the
     rank's connection lost mid-way is the rank's failure: the client's answer
@@ -594,7 +588,7 @@ async def test_an_answer_passed_on_as_a_stream_and_lost_is_cut_not_an_internal_e
         asyncio.get_running_loop().call_later(0.1, _reset, conn)
 
     _Rank.misbehave = lost
-    running = await _proxy(proxy, rank, lane)
+    running = await _proxy(proxy, rank)
     log = capture_access_log(running)
     reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
     data = orjson.dumps(BODY)
@@ -611,9 +605,8 @@ async def test_an_answer_passed_on_as_a_stream_and_lost_is_cut_not_an_internal_e
     assert await until(lambda: "end=upstream_error" in log.getvalue(), 2.0), log.getvalue()
 
 
-@pytest.mark.parametrize("lane", [True, False])
 async def test_a_trailer_that_never_ends_is_cut_short_and_the_answer_asked_again(
-    rank: int, proxy: Callable[..., Any], lane: bool
+    rank: int, proxy: Callable[..., Any]
 ) -> None:
     sent = [0]
 
@@ -632,7 +625,7 @@ async def test_a_trailer_that_never_ends_is_cut_short_and_the_answer_asked_again
 
     _Rank.misbehave = trailer_flood
     settings = Settings(
-        listen={"host": "127.0.0.1", "port": 0, "fast_lane": lane},
+        listen={"host": "127.0.0.1", "port": 0},
         groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{rank}"}]}],
         timeouts={"poll_interval_s": 0.5, "read_s": 2.0},
     )
