@@ -21,7 +21,7 @@ from proxy.drain import Drain
 from proxy.server import Running
 from proxy.settings import Settings
 from tests.conftest import settings_for
-from tests.test_fastlane import BODY, STREAM, Answer, _Answers, _Conn, conn_reply, head
+from tests.test_raw_requests import BODY, STREAM, Answer, _Answers, _Conn, conn_reply, head
 
 KEY = "Authorization: Bearer k-1"
 DETOKENIZE = b'{"model": "fake-model", "tokens": [1, 2]}'

@@ -1,6 +1,5 @@
-"""The fast lane against hostile byte streams: heads aiohttp's own checks
-refuse before they end, requests held at the request limit, and the byte
-streams on which the lane and aiohttp's path part on purpose.
+"""Hostile byte streams: heads refused before they end, requests held at the
+request limit while their body comes, a good request and bad bytes in one read.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ from proxy.server import Running
 from proxy.state import LIMIT, METRICS
 from tests.conftest import capture_access_log as capture
 from tests.conftest import settings_for
-from tests.test_fastlane import BODY, both, exchange, head
-from tests.test_fastlane_review import (
+from tests.test_connection_life import (
     JSON_LOGS,
     _pair_with,
     _server_handler,
@@ -23,6 +21,7 @@ from tests.test_fastlane_review import (
     access_lines,
     read_answer,
 )
+from tests.test_raw_requests import BODY, both, exchange, head
 
 _LINE = b"POST /v1/completions HTTP/1.1\r\n"
 # Header lines a head is built of: singletons (aiohttp refuses a second),

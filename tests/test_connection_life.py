@@ -1,9 +1,9 @@
-"""The fast lane against aiohttp's own parser and lifecycle, where they could part.
+"""A request's life on a connection, at its edges: refused heads, timeouts,
+keep-alive, backpressure, clients that leave, shutdown (raw sockets).
 
-tests/test_fastlane compares answers; these hold the lane to what aiohttp's
-parser (llhttp plus aiohttp's own checks on top) reads from the same bytes,
-and to aiohttp's path at the edges of a request's life: timeouts, keep-alive,
-backpressure, clients that leave, shutdown.
+Written when completions took a fast lane beside aiohttp's server; the two
+proxies of each pair (``listen.fast_lane`` on and off, which changes nothing
+now) must still answer alike.
 """
 
 from __future__ import annotations
@@ -15,61 +15,15 @@ import socket
 from typing import Any
 
 import pytest
-from aiohttp import http_parser
-from aiohttp.http_exceptions import HttpProcessingError
-from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from proxy.server import Running
 from proxy.state import METRICS
 from tests.conftest import capture_access_log as capture
 from tests.conftest import settings_for
-from tests.test_fastlane import BODY, STREAM, _Answers, both, exchange, head
+from tests.test_raw_requests import BODY, STREAM, _Answers, both, exchange, head
 
 JSON_LOGS = {"access_log": True, "format": "json"}
-
-
-# -- what aiohttp reads from the same bytes -------------------------------------
-class _Proto:
-    """Just enough of a protocol for aiohttp's request parser."""
-
-    transport = None
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
-
-
-def aiohttp_reads(raw: bytes) -> list[tuple[Any, bytes | None]] | None:
-    """The messages (and their complete bodies) aiohttp's parser reads from
-    ``raw``, or None if it refuses them."""
-    loop = asyncio.new_event_loop()
-    try:
-        parser = http_parser.HttpRequestParser(
-            _Proto(), loop, 2**16, max_line_size=8190, max_field_size=8190, max_headers=128
-        )
-        try:
-            messages, upgraded, _ = parser.feed_data(raw)
-        except HttpProcessingError:
-            return None
-        if upgraded:
-            return None
-        out: list[tuple[Any, bytes | None]] = []
-        for msg, payload in messages:
-            body = b"".join(getattr(payload, "_buffer", ())) if payload.is_eof() else None
-            out.append((msg, body))
-        return out
-    finally:
-        loop.close()
-
-
-_NAMES = st.sampled_from(["Host", "Content-Type", "Content-Length", "Connection", "User-Agent",
-                          "X-Request-Id", "Authorization", "Sec-WebSocket-Key1", "Server",
-                          "Max-Forwards", "ETag", "Content-Location", "Content-Range"])  # fmt: skip
-_VALUES = st.one_of(
-    st.sampled_from(["application/json", "close", "keep-alive", "h", "7", "x ", "a\t",
-                     "Bearer k  ", "application/json \t"]),
-    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=8),
-)  # fmt: skip
 
 
 @pytest.fixture
