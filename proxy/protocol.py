@@ -192,6 +192,15 @@ class _Body:
         if self.expect and not self.complete:
             self.expect = False
             self.conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if not self._done(max_bytes):  # a body all in (the common case) takes no timer
+            await self._wait(max_bytes, timeout_s)
+        if self.error is not None:
+            raise self.error
+        if self.too_large or self.size > max_bytes:
+            raise too_large(max_bytes)
+        return b"".join(self.chunks)  # bytes, whatever the pieces
+
+    async def _wait(self, max_bytes: int, timeout_s: float) -> None:
         try:
             async with asyncio.timeout(timeout_s):  # a slow body holds a socket and a task
                 while not self._done(max_bytes):
@@ -199,11 +208,6 @@ class _Body:
                     await self._waiter
         except TimeoutError:
             raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
-        if self.error is not None:
-            raise self.error
-        if self.too_large or self.size > max_bytes:
-            raise too_large(max_bytes)
-        return b"".join(self.chunks)  # bytes, whatever the pieces
 
     def _done(self, max_bytes: int) -> bool:
         return self.complete or self.error is not None or self.too_large or self.size > max_bytes
@@ -230,6 +234,10 @@ class _Message:
         self.upgrade = False  # llhttp reads no further: its body is read by hand
         self.trailers = 0
         self.singletons: set[bytes] = set()  # the once-only fields seen
+
+
+def _all_in(msg: _Message) -> bool:
+    return msg.body is None or msg.body.complete or msg.body.error is not None
 
 
 class Connection(asyncio.Protocol):
@@ -305,7 +313,8 @@ class Connection(asyncio.Protocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
-        if self.answering is not None:
+        if self.answering is not None and _all_in(self.answering):
+            # Bytes after the request being answered: a pipelining client's.
             self.received += len(data)
             if self.received > _MAX_PENDING and self.transport is not None:
                 self.transport.pause_reading()  # resumed once this answer is out

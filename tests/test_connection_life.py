@@ -366,3 +366,26 @@ async def test_a_head_that_goes_wrong_before_its_end_is_refused_at_once(lanes, b
     raw = head(BODY).removesuffix(b"\r\n") + bad  # no end of head yet
     (answer,) = await both(lanes, raw)
     assert answer.status == 400
+
+
+async def test_a_body_larger_than_the_pipelining_buffer_is_read_whole(
+    fakes, proxy, monkeypatch
+) -> None:
+    """Only bytes after the request being answered wait for its answer: its
+    own body, however large (within the body limit), is read as it comes."""
+    from proxy import protocol
+
+    monkeypatch.setattr(protocol, "_MAX_PENDING", 64 << 10)  # below the fake rank's body limit
+    rank = await fakes(name="a")
+    p = await proxy(settings_for([rank]))
+    body = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2' + b" " * (600 << 10) + b"}"
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        writer.write(head(body))
+        for at in range(0, len(body), 32 << 10):
+            writer.write(body[at : at + (32 << 10)])
+            await writer.drain()
+        answer = await asyncio.wait_for(read_answer(reader), 10)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
