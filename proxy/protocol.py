@@ -318,7 +318,7 @@ class Connection(asyncio.Protocol):
             self.received += len(data)
             if self.received > _MAX_PENDING and self.transport is not None:
                 self.transport.pause_reading()  # resumed once this answer is out
-        elif self._header_timer is None and self.parsing is None and not self.queue:
+        elif self.answering is None and self._header_timer is None and self.parsing is None:
             self._arm_header_timer()  # the first bytes of a request after an idle time
         if self._upgrade_left:
             self._feed_upgrade_body(data)
