@@ -20,7 +20,7 @@ from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
 from proxy.fields import parse_object
 from proxy.inbound import read_body
 from proxy.ranks import RankTable
-from proxy.recovery import RECOVERED, RoundReport, RoundSpec
+from proxy.recovery import Outcome, RoundReport, RoundSpec, Trigger
 from proxy.settings import ConfigError, load_settings
 from proxy.state import CONFIG_PATH, LISTENER_TLS, SETTINGS, TABLE
 from proxy.tls import ListenerTLS
@@ -118,7 +118,8 @@ def _group_or_404(request: web.Request, group: str) -> None:
 
 
 def _report_response(report: RoundReport) -> web.Response:
-    status = 200 if report.outcome == RECOVERED else 409 if report.outcome != "failed" else 502
+    failed = report.outcome == Outcome.FAILED
+    status = 200 if report.outcome == Outcome.RECOVERED else 502 if failed else 409
     return web.json_response(report.as_dict(), status=status)
 
 
@@ -145,7 +146,7 @@ async def retry(request: web.Request) -> web.Response:
     body: RetryBody = await _body(request, RetryBody)
     _group_or_404(request, body.group)
     spec = RoundSpec(body.group, wait_unhealthy_s=body.wait_unhealthy_s, recover_s=body.recover_s)
-    return _report_response(await request.app[COORD].run_round(spec, "admin"))
+    return _report_response(await request.app[COORD].run_round(spec, Trigger.ADMIN))
 
 
 async def scale_down(request: web.Request) -> web.Response:
@@ -176,8 +177,8 @@ async def scale_down(request: web.Request) -> web.Response:
         body.wait_unhealthy_s,
         body.recover_s,
     )
-    report = await request.app[COORD].run_round(spec, "admin")
-    if report.outcome == RECOVERED:
+    report = await request.app[COORD].run_round(spec, Trigger.ADMIN)
+    if report.outcome == Outcome.RECOVERED:
         for name in body.removed:  # stop routing to the removed ranks
             await request.app[COORD].set_weight(name, 0)
             await request.app[COORD].set_removed(name)  # in every process

@@ -23,6 +23,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -35,7 +36,7 @@ from proxy.continuation import Book, Emit, Refusal, SpliceFailed
 from proxy.errors import ProxyError, error_body
 from proxy.metrics import Metrics
 from proxy.rankclient import BODY_ERRORS, BadResponse, RankResponse
-from proxy.ranks import UNHEALTHY, Rank, group_fault
+from proxy.ranks import Rank, RankStatus, Source, group_fault
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.settings import Hold
 from proxy.sink import Sink
@@ -46,8 +47,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ftproxy.hold")
 
-FINISHED, ABORTED, UPSTREAM_ERROR = "finished", "aborted", "upstream error"
-INCOMPLETE = "ended without a finish reason"
+
+class PumpEnd(StrEnum):
+    """How one upstream's events ended for the pump."""
+
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    UPSTREAM_ERROR = "upstream error"  # the engine's own error event, passed on
+    INCOMPLETE = "ended without a finish reason"
+
+
+class ResumedBy(StrEnum):
+    """Who ended a hold (a metrics label and a span attribute)."""
+
+    ENGINE = "engine"
+    CONTINUATION = "continuation"
+
 
 # StreamFailed codes as the access log names the end.
 _ENDS = {
@@ -127,7 +142,7 @@ class HeldStream:
         self.last_event = time.monotonic()
         self.held_since: float | None = None
         self.hold_reason = ""
-        self.resume_mode = "engine"  # who ends the next hold, as metrics count it
+        self.resume_mode = ResumedBy.ENGINE  # who ends the next hold, as metrics count it
         # Writes to the client under way (the pump's, a keepalive): while any
         # waits on the client, the rank is not read (see _check_stall).
         self.writing = 0
@@ -188,11 +203,14 @@ class HeldStream:
         if attempt is None:
             self._hold("aborted by the engine")
             attempt, handle = await self._continue(), self.book.on_continuation
-        while attempt is not None and (outcome := await self._pump(attempt, handle)) != FINISHED:
-            if outcome == UPSTREAM_ERROR:
+        while (
+            attempt is not None
+            and (outcome := await self._pump(attempt, handle)) != PumpEnd.FINISHED
+        ):
+            if outcome == PumpEnd.UPSTREAM_ERROR:
                 self._ended(End.UPSTREAM_ERROR)
                 return  # its error event already went to the client
-            if outcome == INCOMPLETE and not await self._fault_explains_end():
+            if outcome == PumpEnd.INCOMPLETE and not await self._fault_explains_end():
                 # Not a fault: continuing would get the same answer again,
                 # without end (seen: thousands of requests a second).
                 raise StreamFailed(
@@ -205,7 +223,7 @@ class HeldStream:
             for data in self.book.finish_here():
                 await self._write(event(data))
 
-    async def _pump(self, attempt: Attempt, handle: Handle) -> str:
+    async def _pump(self, attempt: Attempt, handle: Handle) -> PumpEnd:
         """Relay one upstream's events; say how it ended."""
         self.rank, self.upstream = attempt.rank, attempt.response
         parser = SSEParser()
@@ -223,13 +241,15 @@ class HeldStream:
         finally:
             attempt.response.close()
             self.upstream = None
-        return FINISHED if self.book.finish_reason else self._fault("connection lost")
+        return PumpEnd.FINISHED if self.book.finish_reason else self._fault("connection lost")
 
-    async def _pump_direct(self, attempt: Attempt, parser: SSEParser, handle: Handle) -> str | None:
+    async def _pump_direct(
+        self, attempt: Attempt, parser: SSEParser, handle: Handle
+    ) -> PumpEnd | None:
         """Events go to the client from the upstream's data callback (no task
         switch per chunk); this task wakes only for an outcome, a client that
         is not reading, or the end of the body (None)."""
-        outcome: str | None = None
+        outcome: PumpEnd | None = None
         drain = False
 
         def on_chunk(chunk: bytes) -> bool:
@@ -257,7 +277,7 @@ class HeldStream:
 
     async def _pump_awaiting(
         self, attempt: Attempt, parser: SSEParser, handle: Handle
-    ) -> str | None:
+    ) -> PumpEnd | None:
         """As :meth:`_pump_direct`, for a sink that must be awaited."""
         async for chunk in attempt.response.chunks():
             out, outcome = self._events(parser, chunk, handle)
@@ -269,7 +289,7 @@ class HeldStream:
 
     def _events(
         self, parser: SSEParser, chunk: bytes, handle: Handle
-    ) -> tuple[list[bytes], str | None]:
+    ) -> tuple[list[bytes], PumpEnd | None]:
         """One upstream read: the client's bytes for it (one write however
         many events it held) and the outcome, if it ends this upstream."""
         out: list[bytes] = []
@@ -286,15 +306,15 @@ class HeldStream:
                 break
         # A held stream resumes when the upstream sends on; vLLM's
         # abort chunk is no resume: the hold goes on, one hold.
-        if self.held_since is not None and (outcome == FINISHED or (out and not outcome)):
+        if self.held_since is not None and (outcome == PumpEnd.FINISHED or (out and not outcome)):
             self._unhold(self.resume_mode)
-            self.resume_mode = "engine"
+            self.resume_mode = ResumedBy.ENGINE
         return out, outcome
 
-    def _on_event(self, data: bytes, handle: Handle, out: list[bytes]) -> str | None:
+    def _on_event(self, data: bytes, handle: Handle, out: list[bytes]) -> PumpEnd | None:
         """Turn one upstream event into client events (appended to ``out``)."""
         if data == DONE:
-            return FINISHED if self.book.finish_reason else INCOMPLETE
+            return PumpEnd.FINISHED if self.book.finish_reason else PumpEnd.INCOMPLETE
         fast = self.book.on_original_bytes(data) if handle == self.book.on_original else None
         if fast is not None:
             for d in fast.data:
@@ -308,7 +328,7 @@ class HeldStream:
             return None
         if "error" in chunk and "choices" not in chunk:
             out.append(event(data))  # the engine's own error: pass it on, stop
-            return UPSTREAM_ERROR
+            return PumpEnd.UPSTREAM_ERROR
         try:
             emit: Emit = handle(chunk)
         except SpliceFailed as e:
@@ -318,7 +338,7 @@ class HeldStream:
             self._mark_faulted()
             return self._fault("aborted by the engine")
         if emit.finished and handle == self.book.on_continuation:
-            return FINISHED  # its usage chunk is not the client's: stop here
+            return PumpEnd.FINISHED  # its usage chunk is not the client's: stop here
         return None
 
     def _mark_faulted(self) -> None:
@@ -328,15 +348,15 @@ class HeldStream:
             self.relay.table.observe(
                 self.rank.name,
                 None,
-                "relay",
+                Source.RELAY,
                 reachable=True,
-                status=UNHEALTHY,
-                detail={"status": UNHEALTHY, "fault_info": "stream aborted"},
+                status=RankStatus.UNHEALTHY,
+                detail={"status": RankStatus.UNHEALTHY, "fault_info": "stream aborted"},
             )
 
-    def _fault(self, reason: str) -> str:
+    def _fault(self, reason: str) -> PumpEnd:
         self._hold(reason)
-        return ABORTED
+        return PumpEnd.ABORTED
 
     # -- continuation ---------------------------------------------------------
     async def _continue(self) -> Attempt | None:
@@ -412,7 +432,7 @@ class HeldStream:
                 self.budget.sent += out.sent
                 self.out.sent += out.sent  # what the client request cost, in all
             if attempt.response.status == 200:
-                self.resume_mode = "continuation"
+                self.resume_mode = ResumedBy.CONTINUATION
                 self.continuations += 1
                 if self.access is not None:
                     self.access.continuations += 1
@@ -526,7 +546,7 @@ class HeldStream:
         self.relay.table.observe(
             attempt.rank.name,
             None,
-            "relay",
+            Source.RELAY,
             reachable=False,
             reason=f"a continuation was answered {status}",
         )
@@ -558,7 +578,7 @@ class HeldStream:
             len(self.book.generated),
         )
 
-    def _unhold(self, mode: str | None) -> None:
+    def _unhold(self, mode: ResumedBy | None) -> None:
         if self.held_since is None:
             return
         held_s = time.monotonic() - self.held_since
@@ -575,7 +595,11 @@ class HeldStream:
             self.hold_span = None
         if mode is not None:
             self.metrics.resumes.labels(mode).inc()
-            how = "the engine" if mode == "engine" else "the continuation (abort + continuation)"
+            how = (
+                "the engine"
+                if mode == ResumedBy.ENGINE
+                else "the continuation (abort + continuation)"
+            )
             log.info(
                 "[%s] stream resumed by %s after %.1fs on hold (%s)",
                 self.out.request_id,

@@ -21,12 +21,14 @@ from proxy import supervise
 from proxy.feed import Poller, PushFeed
 from proxy.feedmsg import Dropped, Sequencer, parse
 from proxy.metrics import Metrics
-from proxy.ranks import HEALTHY, RankTable
+from proxy.ranks import RankStatus, RankTable
 from proxy.settings import Settings, Timeouts
 from proxy.upstream import make_session
 
 
-def good(n: int, status: str = HEALTHY, boot: str = "boot-1", **over: Any) -> list[bytes]:
+def good(
+    n: int, status: str = RankStatus.HEALTHY, boot: str = "boot-1", **over: Any
+) -> list[bytes]:
     body = {"v": 1, "kind": "status", "boot_id": boot, "seq": n, "ts": time.time(),
             "engines": [{"id": 0, "status": status}], **over}  # fmt: skip
     return [protocol.TOPIC, json.dumps(body).encode()]
@@ -128,7 +130,7 @@ async def test_subscriber_survives_junk_order_and_a_flood(pub: Any) -> None:
         for seq in range(10_001, 15_001):  # a flood of valid messages
             sock.send_multipart(good(seq, "unhealthy", boot="boot-0"))
         for seq in range(20_000, 20_500):  # PUB drops beyond its high-water mark
-            sock.send_multipart(good(seq, HEALTHY, boot="boot-0"))
+            sock.send_multipart(good(seq, RankStatus.HEALTHY, boot="boot-0"))
             if await table.wait_for(lambda: rank.routable, 0.02):
                 break
         assert rank.routable
