@@ -16,7 +16,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
 from proxy.coordination import COORD
-from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
+from proxy.errors import AdminOff, BadRequest, NoLeader, NotFound, ProxyError, Unauthorized
 from proxy.fields import parse_object
 from proxy.inbound import read_body
 from proxy.ranks import RankTable
@@ -30,14 +30,6 @@ log = logging.getLogger("ftproxy.admin")
 ADMIN_MAX_BODY = 64 * 1024  # admin bodies are a few fields
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class AdminOff(ProxyError):
-    status, type, code = 403, "permission_error", "admin_disabled"
-
-
-class NoLeader(ProxyError):
-    status, type, code = 503, "server_error", "no_recovery_leader"
 
 
 async def _at_leader(request: web.Request) -> web.Response | None:

@@ -34,10 +34,9 @@ from multidict import CIMultiDict
 from proxy import accesslog, drain, generation
 from proxy.accesslog import AccessRecord, End
 from proxy.app import forward_v1
-from proxy.errors import ProxyError, error_response
+from proxy.errors import Overloaded, ProxyError, RequestTimeout, error_response
 from proxy.fields import parse_object
-from proxy.inbound import RequestTimeout, check_api_key, client_request_id, new_request_id
-from proxy.limits import Overloaded
+from proxy.inbound import check_api_key, client_request_id, new_request_id
 from proxy.sendwatch import SendWatch, client_end
 from proxy.sink import ChunkSink, Sink, bodiless
 from proxy.state import ACCESS_LOG, LIMIT, METRICS, SETTINGS, TRACING

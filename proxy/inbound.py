@@ -18,17 +18,14 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import SecretStr
 
-from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized
+from proxy.errors import (
+    BodyUnreadable,
+    PayloadTooLarge,
+    RequestTimeout,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from proxy.fields import parse_object
-
-
-class UnsupportedMediaType(ProxyError):
-    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
-
-
-class BodyUnreadable(BadRequest):
-    close_connection = True
-
 
 # aiohttp's parser decodes these (within client_max_size, counted decoded);
 # the body is forwarded decoded, without its Content-Encoding.
@@ -37,11 +34,6 @@ _DECODED = frozenset({"gzip", "deflate", "identity", ""})
 
 def _too_large(max_bytes: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (decoded)")
-
-
-class RequestTimeout(ProxyError):
-    status, type, code = 408, "invalid_request_error", "request_timeout"
-    close_connection = True
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:

@@ -10,19 +10,12 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from proxy.errors import ProxyError
+from proxy.errors import Overloaded
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Probes must answer however busy the proxy is.
 _EXEMPT = frozenset({"/health", "/metrics", "/live", "/ready"})
-
-
-class Overloaded(ProxyError):
-    status, type, code = 503, "server_error", "overloaded"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, {"Retry-After": "1"})
 
 
 class RequestLimit:

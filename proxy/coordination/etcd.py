@@ -64,13 +64,13 @@ from prometheus_client import Counter
 
 from proxy.bounded import parse_json
 from proxy.coordination import Coordination
-from proxy.coordination.gateway import Client, EtcdError, Stored
-from proxy.errors import RoundInProgress
+from proxy.coordination.gateway import Client, Stored
+from proxy.errors import EtcdError, RoundInProgress
 from proxy.recovery import Outcome, RankReport, Recovery, RoundReport, RoundSpec
 from proxy.settings import EtcdConfig
 from proxy.supervise import supervised
 
-__all__ = ["Client", "Etcd", "EtcdError"]  # the gateway's, for callers of this module
+__all__ = ["Client", "Etcd"]  # Client: the gateway's, for callers of this module
 
 log = logging.getLogger("ftproxy.coordination")
 
