@@ -10,6 +10,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -218,7 +219,7 @@ async def test_poller_turns_every_bad_answer_into_not_routable(status_server) ->
 
 
 async def test_a_task_that_dies_is_logged_counted_and_restarted(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(supervise, "BACKOFF_BASE_S", 0.01)
+    monkeypatch.setattr(supervise, "RESTARTS", replace(supervise.RESTARTS, base_s=0.01))
     table = RankTable(Settings(groups=[{"name": "g", "ranks": [
         {"name": "r", "url": "http://127.0.0.1:1"}]}]).groups)  # fmt: skip
     metrics = Metrics(table)
