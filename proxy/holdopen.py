@@ -31,7 +31,7 @@ import orjson
 
 from proxy import accesslog
 from proxy.accesslog import End
-from proxy.budget import StreamBudget, backoff_s
+from proxy.budget import CONTINUATIONS, StreamBudget
 from proxy.continuation import Book, Emit, Refusal, SpliceFailed
 from proxy.errors import ProxyError, error_body
 from proxy.metrics import Metrics
@@ -389,15 +389,12 @@ class HeldStream:
             raise StreamFailed(
                 "the engine aborted this request before its prompt was known", "stream_aborted"
             )
-        failures = 0
-        while (remaining := self._hold_left()) > 0:
+        # The hold runs on while this waits: its time left is the deadline.
+        async for _ in CONTINUATIONS.attempts(deadline=time.monotonic() + self._hold_left()):
+            if (remaining := self._hold_left()) <= 0:
+                break
             if self.budget.sends_left() == 0:
                 raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
-            if failures:
-                await asyncio.sleep(min(backoff_s(failures), remaining))
-                if (remaining := self._hold_left()) <= 0:
-                    break
-            failures += 1
             window = await self._context_window() if self.book.needs_context_window() else None
             try:
                 planned = await self.book.continuation(self._decode, window)
@@ -405,70 +402,81 @@ class HeldStream:
                 raise StreamFailed.inexact(e) from e
             if planned is None:
                 return None
-            path, body = planned
             try:
-                raw = orjson.dumps(body)
-            except orjson.JSONEncodeError as e:  # checked up front; never die silently
-                raise StreamFailed(f"the continuation cannot be sent: {e}", "unserializable") from e
-            out = Outbound(
-                "POST",
-                path,
-                self.out.headers,
-                raw,
-                self.out.request_id,
-                max_sent=self.budget.sends_left(),
-                model=self.out.model,
-            )
-            try:
-                # A rank that faults before answering holds the request: bound it.
-                async with asyncio.timeout(remaining):
-                    attempt = await self.relay.open(out, queue_s=remaining)
+                attempt = await self._send_continuation(self._continuation_out(*planned), remaining)
             except TimeoutError:
                 break
-            except ProxyError as e:
-                log.info("[%s] continuation not sent yet: %s", self.out.request_id, e.message)
-                continue
-            finally:
-                self.budget.sent += out.sent
-                self.out.sent += out.sent  # what the client request cost, in all
-            if attempt.response.status == 200:
-                self.resume_mode = ResumedBy.CONTINUATION
-                self.continuations += 1
-                if self.access is not None:
-                    self.access.continuations += 1
-                kind = "restart" if self.book.restarted else "continuation"
-                self.metrics.splices.labels(kind).inc()
-                log.info(
-                    "[%s] abort + %s on %s after %d tokens (%d sent again as text only)",
-                    self.out.request_id,
-                    kind,
-                    attempt.rank.name,
-                    len(self.book.generated),
-                    len(self.book.replay),
-                )
-                return attempt
-            await self._continuation_refused(attempt)
+            if attempt is not None and attempt.response.status == 200:
+                return self._continued(attempt)
+            if attempt is not None:
+                await self._continuation_refused(attempt)
+            if self.budget.sends_left() == 0:  # spent: say so now, not after a backoff
+                raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
         if self.budget.hold_left(self._held_now()) <= 0:
             raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
         raise StreamFailed(
             f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s", "hold_timeout"
         )
 
+    def _continuation_out(self, path: str, body: dict[str, Any]) -> Outbound:
+        try:
+            raw = orjson.dumps(body)
+        except orjson.JSONEncodeError as e:  # checked up front; never die silently
+            raise StreamFailed(f"the continuation cannot be sent: {e}", "unserializable") from e
+        return Outbound(
+            "POST",
+            path,
+            self.out.headers,
+            raw,
+            self.out.request_id,
+            max_sent=self.budget.sends_left(),
+            model=self.out.model,
+        )
+
+    async def _send_continuation(self, out: Outbound, remaining: float) -> Attempt | None:
+        """One continuation request's answer; None when no rank took it.
+        TimeoutError when none answered within ``remaining``."""
+        try:
+            # A rank that faults before answering holds the request: bound it.
+            async with asyncio.timeout(remaining):
+                return await self.relay.open(out, queue_s=remaining)
+        except ProxyError as e:
+            log.info("[%s] continuation not sent yet: %s", self.out.request_id, e.message)
+            return None
+        finally:
+            self.budget.sent += out.sent
+            self.out.sent += out.sent  # what the client request cost, in all
+
+    def _continued(self, attempt: Attempt) -> Attempt:
+        """Count and log a continuation a rank took."""
+        self.resume_mode = ResumedBy.CONTINUATION
+        self.continuations += 1
+        if self.access is not None:
+            self.access.continuations += 1
+        kind = "restart" if self.book.restarted else "continuation"
+        self.metrics.splices.labels(kind).inc()
+        log.info(
+            "[%s] abort + %s on %s after %d tokens (%d sent again as text only)",
+            self.out.request_id,
+            kind,
+            attempt.rank.name,
+            len(self.book.generated),
+            len(self.book.replay),
+        )
+        return attempt
+
     async def _ask(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         """A side request (``/detokenize``, ``/v1/models``: pure, so safe to
         send again): one answered 5xx or that no rank could take is asked
         again with backoff while the hold lasts; a rank just back from a
         fault, or too busy, is no reason to end the stream."""
-        failures = 0
-        deadline = time.monotonic() + self._hold_left()  # bounded even outside a hold
-        while True:
+        tries = CONTINUATIONS.attempts(deadline=time.monotonic() + self._hold_left())
+        async for _ in tries:  # the first try runs whatever the time; later ones within it
             status, raw = await self._ask_once(method, path, body)
-            if status < 500:
-                return status, raw
-            failures += 1
-            wait = backoff_s(failures)
-            if wait >= min(self._hold_left(), deadline - time.monotonic()):
-                return status, raw
+            wait = tries.next_wait()
+            # Asked again only if the answer can come while the hold lasts.
+            if status < 500 or wait is None or wait >= min(self._hold_left(), tries.left()):
+                break
             log.info(
                 "[%s] %s %s answered %d; asking again in %.2fs",
                 self.out.request_id,
@@ -477,7 +485,7 @@ class HeldStream:
                 status,
                 wait,
             )
-            await asyncio.sleep(wait)
+        return status, raw
 
     async def _ask_once(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         """A side request to any routable rank, within the hold. Not the
