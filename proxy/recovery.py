@@ -36,6 +36,7 @@ from proxy.bounded import Bound, parse_json, read_body
 from proxy.errors import ProxyError, RoundInProgress
 from proxy.metrics import Metrics
 from proxy.ranks import Rank, RankStatus, RankTable
+from proxy.retry import RetryPolicy
 from proxy.settings import Settings
 
 log = logging.getLogger("ftproxy.recovery")
@@ -357,6 +358,9 @@ class AutoRecovery:
 
     async def _watch_group(self, name: str) -> None:
         cfg = next(g for g in self.recovery.settings.groups if g.name == name).auto_recovery
+        # Not Attempts: a round another caller owns is no attempt of ours,
+        # and a recovered group starts over from the grace period.
+        backoff = RetryPolicy(base_s=cfg.backoff_s)
         attempts = 0
         while True:
             await self.table.wait_for(lambda: self._all_unhealthy(name), float("inf"))
@@ -367,7 +371,7 @@ class AutoRecovery:
                 await self.table.wait_for(lambda: not self._all_unhealthy(name), float("inf"))
                 attempts = 0
                 continue
-            delay = cfg.grace_s if attempts == 0 else cfg.backoff_s * 2 ** (attempts - 1)
+            delay = cfg.grace_s if attempts == 0 else backoff.delay(attempts)
             await asyncio.sleep(delay)
             if self.gate is not None:
                 await self.gate(name)  # leadership may have moved during the grace
