@@ -67,6 +67,7 @@ from proxy.coordination import Coordination
 from proxy.coordination.gateway import Client, Stored
 from proxy.errors import EtcdError, RoundInProgress
 from proxy.recovery import Outcome, RankReport, Recovery, RoundReport, RoundSpec
+from proxy.retry import RetryPolicy
 from proxy.settings import EtcdConfig
 from proxy.supervise import supervised
 
@@ -94,7 +95,11 @@ POLL_S = 0.2
 # ... and with one, they re-read this often anyway: a safety net for a
 # change the watch missed, not the way changes arrive.
 RESYNC_S = 5.0
-WATCH_RETRY_S = 1.0
+# A watch that broke (or ended) is opened again a second later, every time:
+# meanwhile the readers poll, so a slow comeback costs nothing but polls.
+WATCH_RETRY = RetryPolicy(base_s=1.0, cap_s=1.0)
+# A round's report: 10 tries over about 11 s (0.2 s, doubling to 1.6 s).
+REPORT_RETRY = RetryPolicy(base_s=0.2, cap_s=1.6, max_attempts=10)
 
 
 class Etcd(Coordination):
@@ -249,7 +254,7 @@ class Etcd(Coordination):
         """Follow the prefix for the life of the process; reconnect when it
         breaks (anything else it raises ends it: supervised, it comes back)."""
         root = self.cfg.prefix.rstrip("/") + "/"
-        while True:
+        async for _ in WATCH_RETRY.attempts():
             try:
                 async for keys in self.client.watch(root):
                     if keys is None:  # (re)started, or junk: whatever changed, read it
@@ -263,7 +268,6 @@ class Etcd(Coordination):
             finally:
                 self.watching = False
                 self._changed(KINDS)  # waiters fall back to polling now
-            await asyncio.sleep(WATCH_RETRY_S)
 
     async def _tick(self) -> None:
         if self.lease is None or not await self.client.keepalive(self.lease):
@@ -423,14 +427,13 @@ class Etcd(Coordination):
                 _spec(record), record["trigger"], record["round_id"], sent, already_sent
             )
             done = {**record, "state": RoundState.DONE, "report": report.as_dict()}
-            for attempt in range(10):  # the report must land, or joiners wait forever
+            async for _ in REPORT_RETRY.attempts():  # it must land, or joiners wait forever
                 try:
                     await self.client.put(key, done)
                     await self.client.delete(key + "/owner")
                     break
                 except EtcdError as e:
                     log.warning("round %s: report not stored yet (%s)", record["round_id"], e)
-                    await asyncio.sleep(0.2 * (attempt + 1))
             return report
         finally:
             # Still ours and not done (the "sent" write or the report failed):
