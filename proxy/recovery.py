@@ -54,8 +54,10 @@ class Outcome(StrEnum):
     @classmethod
     def parse(cls, word: str) -> Outcome | str:
         """A shared round store's word: a report another proxy version wrote
-        may name an outcome this one does not know; it is shown as written."""
-        return cls(word) if word in cls._value2member_map_ else word
+        may name an outcome this one does not know; it is shown as written
+        (and so is junk that is no string: the store's JSON may hold anything)."""
+        known = isinstance(word, str) and word in cls._value2member_map_
+        return cls(word) if known else word
 
 
 class Trigger(StrEnum):

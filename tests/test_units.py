@@ -142,3 +142,15 @@ def test_a_failed_poll_holds_until_a_newer_http_success() -> None:
     assert not a.routable and "silent" in str(a.unroutable_reason)
     t.observe("a", None, "push", reachable=True, status=RankStatus.HEALTHY)
     assert a.routable
+
+
+def test_state_words_from_peers_are_members_when_known_and_kept_when_not() -> None:
+    from proxy.coordination.etcd import _report
+    from proxy.recovery import Outcome
+
+    assert RankStatus.parse("dead") is RankStatus.DEAD
+    assert RankStatus.parse("diagnosing") == "diagnosing"  # shown as the engine said it
+    stored = {"group": "g", "round_id": "r", "instruction": "retry", "ranks": []}
+    assert _report({**stored, "outcome": "failed"}).outcome is Outcome.FAILED
+    assert _report({**stored, "outcome": "newer"}).outcome == "newer"
+    assert _report({**stored, "outcome": 7}).outcome == 7
