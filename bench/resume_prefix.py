@@ -68,7 +68,7 @@ def main() -> None:
             base_port=8470, pub_base_port=5590, rpc_port=13375, log_dir=Path(".rig/logs-bench"),
             fault_inject=f"rank=1;trigger={trigger}", resume_after_recovery=True,
             extra_args=["--block-size", str(BLOCK)], log_stats=True,
-        )  # fmt: skip
+        ).on_free_ports()  # fmt: skip
         t0 = time.monotonic()
         with Rig(cfg):
             print(f"rig ready in {time.monotonic() - t0:.0f}s")

@@ -288,7 +288,7 @@ def rig_config(mode: str, work: Path) -> tuple[RigConfig, Path]:
         log_dir=work / f"logs-soak-{mode}", fault_inject=f"rank=1;trigger={trigger}",
         resume_after_recovery=resume, request_log=True,
     )  # fmt: skip
-    return cfg, trigger
+    return cfg.on_free_ports(), trigger
 
 
 def main() -> None:

@@ -16,10 +16,10 @@ from aiohttp import web
 from pydantic import BaseModel, Field, SecretStr, ValidationError
 
 from proxy.coordination import COORD
-from proxy.errors import BadRequest, NotFound, ProxyError, Unauthorized
+from proxy.errors import AdminOff, BadRequest, NoLeader, NotFound, ProxyError, Unauthorized
 from proxy.fields import parse_object
 from proxy.ranks import RankTable
-from proxy.recovery import RECOVERED, RoundReport, RoundSpec
+from proxy.recovery import Outcome, RoundReport, RoundSpec, Trigger
 from proxy.routes import Request, Response, Route, json_response
 from proxy.settings import ConfigError, load_settings
 from proxy.state import CONFIG_PATH, LISTENER_TLS, SETTINGS, TABLE
@@ -28,14 +28,6 @@ from proxy.tls import ListenerTLS
 log = logging.getLogger("ftproxy.admin")
 
 ADMIN_MAX_BODY = 64 * 1024  # admin bodies are a few fields
-
-
-class AdminOff(ProxyError):
-    status, type, code = 403, "permission_error", "admin_disabled"
-
-
-class NoLeader(ProxyError):
-    status, type, code = 503, "server_error", "no_recovery_leader"
 
 
 async def _at_leader(request: Request) -> Response | None:
@@ -113,7 +105,8 @@ def _group_or_404(request: Request, group: str) -> None:
 
 
 def _report_response(report: RoundReport) -> Response:
-    status = 200 if report.outcome == RECOVERED else 409 if report.outcome != "failed" else 502
+    failed = report.outcome == Outcome.FAILED
+    status = 200 if report.outcome == Outcome.RECOVERED else 502 if failed else 409
     return json_response(report.as_dict(), status)
 
 
@@ -140,7 +133,7 @@ async def retry(request: Request) -> Response:
     body: RetryBody = await _body(request, RetryBody)
     _group_or_404(request, body.group)
     spec = RoundSpec(body.group, wait_unhealthy_s=body.wait_unhealthy_s, recover_s=body.recover_s)
-    return _report_response(await request.app[COORD].run_round(spec, "admin"))
+    return _report_response(await request.app[COORD].run_round(spec, Trigger.ADMIN))
 
 
 async def scale_down(request: Request) -> Response:
@@ -171,8 +164,8 @@ async def scale_down(request: Request) -> Response:
         body.wait_unhealthy_s,
         body.recover_s,
     )
-    report = await request.app[COORD].run_round(spec, "admin")
-    if report.outcome == RECOVERED:
+    report = await request.app[COORD].run_round(spec, Trigger.ADMIN)
+    if report.outcome == Outcome.RECOVERED:
         for name in body.removed:  # stop routing to the removed ranks
             await request.app[COORD].set_weight(name, 0)
             await request.app[COORD].set_removed(name)  # in every process

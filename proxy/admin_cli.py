@@ -14,7 +14,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-_STATUS_STYLE = {"healthy": "green", "unhealthy": "yellow", "dead": "red"}
+from proxy.ranks import RankStatus
+
+_STATUS_STYLE = {
+    RankStatus.HEALTHY: "green",
+    RankStatus.UNHEALTHY: "yellow",
+    RankStatus.DEAD: "red",
+}
 
 
 class AdminClient:

@@ -9,17 +9,11 @@ growing backoff, so a rank answering 500 is not hammered.
 
 from __future__ import annotations
 
-import random
+from proxy.retry import RetryPolicy
 
-BACKOFF_BASE_S = 0.1
-BACKOFF_CAP_S = 2.0
-
-
-def backoff_s(failures: int) -> float:
-    """Wait before the next try after ``failures`` failed ones (>= 1):
-    exponential, capped, with jitter so streams held by one fault spread out."""
-    ceiling = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(failures - 1, 0))
-    return random.uniform(ceiling / 2, ceiling)
+# Between tries of a continuation or a side request: 0.05-0.1 s after the
+# first failure, up to 1-2 s; the hold's time left is their deadline.
+CONTINUATIONS = RetryPolicy(base_s=0.1, cap_s=2.0, jitter=0.5)
 
 
 class StreamBudget:

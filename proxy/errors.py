@@ -1,18 +1,32 @@
 """The proxy's error tree and the OpenAI error shape.
 
 Low-level errors (aiohttp, JSON, ZMQ) are translated at the boundary where
-they occur into one of these, so handlers deal with a small, known set::
+they occur into one of these, so handlers deal with a small, known set. Every
+ProxyError subclass lives here and has its line below (tests/test_errors.py
+checks both)::
 
-    ProxyError                  any error answered to a client
-    ├── BadRequest              400 invalid JSON, wrong content type, ...
-    ├── PayloadTooLarge         413 body over limits.max_body_bytes
-    ├── Unauthorized            401 missing or wrong API key / admin token
-    ├── NotFound                404
-    ├── MethodNotAllowed        405
-    ├── NoHealthyRank           503 nothing routable within the queue timeout
-    ├── ProxyShutdown           503 the proxy stopped before the answer was ready
-    ├── RoundInProgress         409 another recovery round runs for the group
-    └── UpstreamFailed          502 every attempt failed before the first byte
+    ProxyError                    500 any error answered to a client
+    ├── BadRequest                400 invalid JSON, wrong content type, ...
+    │   ├── InvalidJson           400 the body is not a JSON object the proxy accepts
+    │   ├── InvalidField          400 a field the proxy reads has the wrong type
+    │   ├── InvalidTarget         400 the request target is not a path in normal form
+    │   └── BodyUnreadable        400 the body broke off or is malformed; closes the connection
+    ├── Unauthorized              401 missing or wrong API key / admin token
+    ├── AdminOff                  403 no admin token configured: the admin plane is off
+    ├── NotFound                  404 no such route, group or rank
+    ├── ModelNotFound             404 no rank serves the model (vLLM's own words and shape)
+    ├── MethodNotAllowed          405 the route exists, not for this method
+    ├── RequestTimeout            408 the body did not arrive in time; closes the connection
+    ├── RoundInProgress           409 another recovery round runs for the group
+    ├── PayloadTooLarge           413 body over limits.max_body_bytes
+    ├── UnsupportedMediaType      415 a Content-Encoding or Content-Type the proxy does not take
+    ├── HttpStatusError           any an HTTP error the server raised itself
+    ├── UpstreamFailed            502 every attempt failed before the first byte
+    ├── NoHealthyRank             503 nothing routable within the queue timeout
+    ├── ProxyShutdown             503 the proxy stopped before the answer was ready
+    ├── Overloaded                503 over limits.max_requests in flight; Retry-After: 1
+    ├── NoLeader                  503 no process leads recovery right now (one is taking over)
+    └── EtcdError                 503 etcd did not answer or refused (any failed etcd call)
 """
 
 from __future__ import annotations
@@ -111,6 +125,52 @@ class RoundInProgress(ProxyError):
     def __init__(self, message: str, round_id: str, instruction: str) -> None:
         super().__init__(message)
         self.extra = {"round_id": round_id, "instruction": instruction}
+
+
+class InvalidJson(BadRequest):
+    code = "invalid_json"
+
+
+class InvalidField(BadRequest):
+    code = "invalid_type"
+
+
+class InvalidTarget(BadRequest):
+    code = "invalid_request_target"
+
+
+class BodyUnreadable(BadRequest):
+    close_connection = True
+
+
+class AdminOff(ProxyError):
+    status, type, code = 403, "permission_error", "admin_disabled"
+
+
+class RequestTimeout(ProxyError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+    close_connection = True
+
+
+class UnsupportedMediaType(ProxyError):
+    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
+
+
+class Overloaded(ProxyError):
+    status, type, code = 503, "server_error", "overloaded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, {"Retry-After": "1"})
+
+
+class NoLeader(ProxyError):
+    status, type, code = 503, "server_error", "no_recovery_leader"
+
+
+class EtcdError(ProxyError):
+    """etcd did not answer or refused; an admin call gets 503."""
+
+    status, type, code = 503, "server_error", "coordination_unavailable"
 
 
 def error_body(

@@ -26,7 +26,7 @@ from proxy import feedmsg
 from proxy.bounded import Bound, fetch
 from proxy.feedmsg import Sequencer
 from proxy.metrics import Metrics
-from proxy.ranks import HEALTHY, UNHEALTHY, UNKNOWN, Rank, RankTable
+from proxy.ranks import Rank, RankStatus, RankTable, Source
 from proxy.settings import Limits, Timeouts
 from proxy.supervise import supervised
 
@@ -62,7 +62,7 @@ async def follow(
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
-def summarize(body: Any) -> tuple[str, dict[str, Any]]:
+def summarize(body: Any) -> tuple[RankStatus | str, dict[str, Any]]:
     """Reduce an FT status body to one status for the rank, tolerantly.
 
     A rank's API server normally manages one engine; if it lists several, the
@@ -73,16 +73,18 @@ def summarize(body: Any) -> tuple[str, dict[str, Any]]:
     """
     engines = body.get("engines") if isinstance(body, dict) else None
     if not isinstance(engines, list) or not engines:
-        return UNKNOWN, {"body": body}
+        return RankStatus.UNKNOWN, {"body": body}
     for entry in engines:
         if not isinstance(entry, dict):
-            return UNKNOWN, {"body": body}
-        status = entry.get("status", UNKNOWN)
+            return RankStatus.UNKNOWN, {"body": body}
+        word = entry.get("status", RankStatus.UNKNOWN)
         # A word: it goes into log lines, /admin/ranks and /metrics labels.
-        status = status[:MAX_STATUS].lower() if isinstance(status, str) else UNKNOWN
-        if status != HEALTHY:
+        if not isinstance(word, str):
+            return RankStatus.UNKNOWN, entry
+        status = RankStatus.parse(word[:MAX_STATUS].lower())
+        if status != RankStatus.HEALTHY:
             return status, entry
-    return HEALTHY, engines[0]
+    return RankStatus.HEALTHY, engines[0]
 
 
 class Poller:
@@ -125,24 +127,27 @@ class Poller:
             # A failure is known only now: stamped now, so it outranks every
             # answer before it and holds until a newer poll succeeds.
             reason = f"poll failed: {type(e).__name__}"
-            self.table.observe(rank.name, None, "poll", reachable=False, reason=reason)
+            self.table.observe(rank.name, None, Source.POLL, reachable=False, reason=reason)
             return
-        self.table.observe(rank.name, sent_at, "poll", reachable=True, status=status, detail=detail)
+        self.table.observe(
+            rank.name, sent_at, Source.POLL, reachable=True, status=status, detail=detail
+        )
 
-    async def _read_status(self, rank: Rank) -> tuple[str, dict[str, Any]]:
+    async def _read_status(self, rank: Rank) -> tuple[RankStatus | str, dict[str, Any]]:
         if rank.name not in self._no_ft:
             url = rank.url + "/fault_tolerance/status"
             answer = await fetch(self.session, "GET", url, self.bound)
             if answer.status == 200:
                 return summarize(answer.json())
             if answer.status != 404:
-                return UNHEALTHY, {"http_status": answer.status}
+                return RankStatus.UNHEALTHY, {"http_status": answer.status}
             self._no_ft.add(rank.name)
             log.info("rank %s has no FT endpoint; using /health", rank.name)
         # Its body is read too (and bounded): an answer cut short or too long
         # is a failed poll, whatever its status said.
         answer = await fetch(self.session, "GET", rank.url + "/health", self.bound)
-        return (HEALTHY if answer.status == 200 else UNHEALTHY), {"http_status": answer.status}
+        status = RankStatus.HEALTHY if answer.status == 200 else RankStatus.UNHEALTHY
+        return status, {"http_status": answer.status}
 
 
 class PushFeed:
@@ -210,7 +215,7 @@ class PushFeed:
             self.metrics.push_delay.observe(max(rank.push_delay_s, 0.0))
         # Observation time is our receive time: the publisher's clock may
         # differ, and a push is never older than the poll answer before it.
-        self.table.observe(name, None, "push", reachable=True, status=status, detail=detail)
+        self.table.observe(name, None, Source.PUSH, reachable=True, status=status, detail=detail)
 
     def _silent(self, name: str, silence_s: float) -> None:
         rank = self.table.ranks.get(name)
@@ -218,4 +223,4 @@ class PushFeed:
         # the first sign of a hung engine.
         if rank is not None and rank.feed_ok:
             reason = f"status feed silent for {silence_s:.1f}s"
-            self.table.observe(name, None, "push", reachable=False, reason=reason)
+            self.table.observe(name, None, Source.PUSH, reachable=False, reason=reason)

@@ -18,17 +18,9 @@ from typing import Any
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from proxy.errors import BadRequest
+from proxy.errors import InvalidField, InvalidJson
 
 MAX_DEPTH = 64
-
-
-class InvalidJson(BadRequest):
-    code = "invalid_json"
-
-
-class InvalidField(BadRequest):
-    code = "invalid_type"
 
 
 def parse_object(raw: bytes) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -30,12 +31,12 @@ import orjson
 
 from proxy import accesslog
 from proxy.accesslog import End
-from proxy.budget import StreamBudget, backoff_s
+from proxy.budget import CONTINUATIONS, StreamBudget
 from proxy.continuation import Book, Emit, Refusal, SpliceFailed
 from proxy.errors import ProxyError, error_body
 from proxy.metrics import Metrics
 from proxy.rankclient import BODY_ERRORS, BadResponse, RankResponse
-from proxy.ranks import UNHEALTHY, Rank, group_fault
+from proxy.ranks import Rank, RankStatus, Source, group_fault
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.settings import Hold
 from proxy.sink import Sink
@@ -46,8 +47,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ftproxy.hold")
 
-FINISHED, ABORTED, UPSTREAM_ERROR = "finished", "aborted", "upstream error"
-INCOMPLETE = "ended without a finish reason"
+
+class PumpEnd(StrEnum):
+    """How one upstream's events ended for the pump."""
+
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    UPSTREAM_ERROR = "upstream error"  # the engine's own error event, passed on
+    INCOMPLETE = "ended without a finish reason"
+
+
+class ResumedBy(StrEnum):
+    """Who ended a hold (a metrics label and a span attribute)."""
+
+    ENGINE = "engine"
+    CONTINUATION = "continuation"
+
 
 # StreamFailed codes as the access log names the end.
 _ENDS = {
@@ -127,7 +142,7 @@ class HeldStream:
         self.last_event = time.monotonic()
         self.held_since: float | None = None
         self.hold_reason = ""
-        self.resume_mode = "engine"  # who ends the next hold, as metrics count it
+        self.resume_mode = ResumedBy.ENGINE  # who ends the next hold, as metrics count it
         # Writes to the client under way (the pump's, a keepalive): while any
         # waits on the client, the rank is not read (see _check_stall).
         self.writing = 0
@@ -188,11 +203,14 @@ class HeldStream:
         if attempt is None:
             self._hold("aborted by the engine")
             attempt, handle = await self._continue(), self.book.on_continuation
-        while attempt is not None and (outcome := await self._pump(attempt, handle)) != FINISHED:
-            if outcome == UPSTREAM_ERROR:
+        while (
+            attempt is not None
+            and (outcome := await self._pump(attempt, handle)) != PumpEnd.FINISHED
+        ):
+            if outcome == PumpEnd.UPSTREAM_ERROR:
                 self._ended(End.UPSTREAM_ERROR)
                 return  # its error event already went to the client
-            if outcome == INCOMPLETE and not await self._fault_explains_end():
+            if outcome == PumpEnd.INCOMPLETE and not await self._fault_explains_end():
                 # Not a fault: continuing would get the same answer again,
                 # without end (seen: thousands of requests a second).
                 raise StreamFailed(
@@ -205,7 +223,7 @@ class HeldStream:
             for data in self.book.finish_here():
                 await self._write(event(data))
 
-    async def _pump(self, attempt: Attempt, handle: Handle) -> str:
+    async def _pump(self, attempt: Attempt, handle: Handle) -> PumpEnd:
         """Relay one upstream's events; say how it ended."""
         self.rank, self.upstream = attempt.rank, attempt.response
         parser = SSEParser()
@@ -223,13 +241,15 @@ class HeldStream:
         finally:
             attempt.response.close()
             self.upstream = None
-        return FINISHED if self.book.finish_reason else self._fault("connection lost")
+        return PumpEnd.FINISHED if self.book.finish_reason else self._fault("connection lost")
 
-    async def _pump_direct(self, attempt: Attempt, parser: SSEParser, handle: Handle) -> str | None:
+    async def _pump_direct(
+        self, attempt: Attempt, parser: SSEParser, handle: Handle
+    ) -> PumpEnd | None:
         """Events go to the client from the upstream's data callback (no task
         switch per chunk); this task wakes only for an outcome, a client that
         is not reading, or the end of the body (None)."""
-        outcome: str | None = None
+        outcome: PumpEnd | None = None
         drain = False
 
         def on_chunk(chunk: bytes) -> bool:
@@ -257,7 +277,7 @@ class HeldStream:
 
     async def _pump_awaiting(
         self, attempt: Attempt, parser: SSEParser, handle: Handle
-    ) -> str | None:
+    ) -> PumpEnd | None:
         """As :meth:`_pump_direct`, for a sink that must be awaited."""
         async for chunk in attempt.response.chunks():
             out, outcome = self._events(parser, chunk, handle)
@@ -269,7 +289,7 @@ class HeldStream:
 
     def _events(
         self, parser: SSEParser, chunk: bytes, handle: Handle
-    ) -> tuple[list[bytes], str | None]:
+    ) -> tuple[list[bytes], PumpEnd | None]:
         """One upstream read: the client's bytes for it (one write however
         many events it held) and the outcome, if it ends this upstream."""
         out: list[bytes] = []
@@ -286,15 +306,15 @@ class HeldStream:
                 break
         # A held stream resumes when the upstream sends on; vLLM's
         # abort chunk is no resume: the hold goes on, one hold.
-        if self.held_since is not None and (outcome == FINISHED or (out and not outcome)):
+        if self.held_since is not None and (outcome == PumpEnd.FINISHED or (out and not outcome)):
             self._unhold(self.resume_mode)
-            self.resume_mode = "engine"
+            self.resume_mode = ResumedBy.ENGINE
         return out, outcome
 
-    def _on_event(self, data: bytes, handle: Handle, out: list[bytes]) -> str | None:
+    def _on_event(self, data: bytes, handle: Handle, out: list[bytes]) -> PumpEnd | None:
         """Turn one upstream event into client events (appended to ``out``)."""
         if data == DONE:
-            return FINISHED if self.book.finish_reason else INCOMPLETE
+            return PumpEnd.FINISHED if self.book.finish_reason else PumpEnd.INCOMPLETE
         fast = self.book.on_original_bytes(data) if handle == self.book.on_original else None
         if fast is not None:
             for d in fast.data:
@@ -308,7 +328,7 @@ class HeldStream:
             return None
         if "error" in chunk and "choices" not in chunk:
             out.append(event(data))  # the engine's own error: pass it on, stop
-            return UPSTREAM_ERROR
+            return PumpEnd.UPSTREAM_ERROR
         try:
             emit: Emit = handle(chunk)
         except SpliceFailed as e:
@@ -318,7 +338,7 @@ class HeldStream:
             self._mark_faulted()
             return self._fault("aborted by the engine")
         if emit.finished and handle == self.book.on_continuation:
-            return FINISHED  # its usage chunk is not the client's: stop here
+            return PumpEnd.FINISHED  # its usage chunk is not the client's: stop here
         return None
 
     def _mark_faulted(self) -> None:
@@ -328,15 +348,15 @@ class HeldStream:
             self.relay.table.observe(
                 self.rank.name,
                 None,
-                "relay",
+                Source.RELAY,
                 reachable=True,
-                status=UNHEALTHY,
-                detail={"status": UNHEALTHY, "fault_info": "stream aborted"},
+                status=RankStatus.UNHEALTHY,
+                detail={"status": RankStatus.UNHEALTHY, "fault_info": "stream aborted"},
             )
 
-    def _fault(self, reason: str) -> str:
+    def _fault(self, reason: str) -> PumpEnd:
         self._hold(reason)
-        return ABORTED
+        return PumpEnd.ABORTED
 
     # -- continuation ---------------------------------------------------------
     async def _continue(self) -> Attempt | None:
@@ -369,15 +389,12 @@ class HeldStream:
             raise StreamFailed(
                 "the engine aborted this request before its prompt was known", "stream_aborted"
             )
-        failures = 0
-        while (remaining := self._hold_left()) > 0:
+        # The hold runs on while this waits: its time left is the deadline.
+        async for _ in CONTINUATIONS.attempts(deadline=time.monotonic() + self._hold_left()):
+            if (remaining := self._hold_left()) <= 0:
+                break
             if self.budget.sends_left() == 0:
                 raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
-            if failures:
-                await asyncio.sleep(min(backoff_s(failures), remaining))
-                if (remaining := self._hold_left()) <= 0:
-                    break
-            failures += 1
             window = await self._context_window() if self.book.needs_context_window() else None
             try:
                 planned = await self.book.continuation(self._decode, window)
@@ -385,70 +402,81 @@ class HeldStream:
                 raise StreamFailed.inexact(e) from e
             if planned is None:
                 return None
-            path, body = planned
             try:
-                raw = orjson.dumps(body)
-            except orjson.JSONEncodeError as e:  # checked up front; never die silently
-                raise StreamFailed(f"the continuation cannot be sent: {e}", "unserializable") from e
-            out = Outbound(
-                "POST",
-                path,
-                self.out.headers,
-                raw,
-                self.out.request_id,
-                max_sent=self.budget.sends_left(),
-                model=self.out.model,
-            )
-            try:
-                # A rank that faults before answering holds the request: bound it.
-                async with asyncio.timeout(remaining):
-                    attempt = await self.relay.open(out, queue_s=remaining)
+                attempt = await self._send_continuation(self._continuation_out(*planned), remaining)
             except TimeoutError:
                 break
-            except ProxyError as e:
-                log.info("[%s] continuation not sent yet: %s", self.out.request_id, e.message)
-                continue
-            finally:
-                self.budget.sent += out.sent
-                self.out.sent += out.sent  # what the client request cost, in all
-            if attempt.response.status == 200:
-                self.resume_mode = "continuation"
-                self.continuations += 1
-                if self.access is not None:
-                    self.access.continuations += 1
-                kind = "restart" if self.book.restarted else "continuation"
-                self.metrics.splices.labels(kind).inc()
-                log.info(
-                    "[%s] abort + %s on %s after %d tokens (%d sent again as text only)",
-                    self.out.request_id,
-                    kind,
-                    attempt.rank.name,
-                    len(self.book.generated),
-                    len(self.book.replay),
-                )
-                return attempt
-            await self._continuation_refused(attempt)
+            if attempt is not None and attempt.response.status == 200:
+                return self._continued(attempt)
+            if attempt is not None:
+                await self._continuation_refused(attempt)
+            if self.budget.sends_left() == 0:  # spent: say so now, not after a backoff
+                raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
         if self.budget.hold_left(self._held_now()) <= 0:
             raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
         raise StreamFailed(
             f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s", "hold_timeout"
         )
 
+    def _continuation_out(self, path: str, body: dict[str, Any]) -> Outbound:
+        try:
+            raw = orjson.dumps(body)
+        except orjson.JSONEncodeError as e:  # checked up front; never die silently
+            raise StreamFailed(f"the continuation cannot be sent: {e}", "unserializable") from e
+        return Outbound(
+            "POST",
+            path,
+            self.out.headers,
+            raw,
+            self.out.request_id,
+            max_sent=self.budget.sends_left(),
+            model=self.out.model,
+        )
+
+    async def _send_continuation(self, out: Outbound, remaining: float) -> Attempt | None:
+        """One continuation request's answer; None when no rank took it.
+        TimeoutError when none answered within ``remaining``."""
+        try:
+            # A rank that faults before answering holds the request: bound it.
+            async with asyncio.timeout(remaining):
+                return await self.relay.open(out, queue_s=remaining)
+        except ProxyError as e:
+            log.info("[%s] continuation not sent yet: %s", self.out.request_id, e.message)
+            return None
+        finally:
+            self.budget.sent += out.sent
+            self.out.sent += out.sent  # what the client request cost, in all
+
+    def _continued(self, attempt: Attempt) -> Attempt:
+        """Count and log a continuation a rank took."""
+        self.resume_mode = ResumedBy.CONTINUATION
+        self.continuations += 1
+        if self.access is not None:
+            self.access.continuations += 1
+        kind = "restart" if self.book.restarted else "continuation"
+        self.metrics.splices.labels(kind).inc()
+        log.info(
+            "[%s] abort + %s on %s after %d tokens (%d sent again as text only)",
+            self.out.request_id,
+            kind,
+            attempt.rank.name,
+            len(self.book.generated),
+            len(self.book.replay),
+        )
+        return attempt
+
     async def _ask(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         """A side request (``/detokenize``, ``/v1/models``: pure, so safe to
         send again): one answered 5xx or that no rank could take is asked
         again with backoff while the hold lasts; a rank just back from a
         fault, or too busy, is no reason to end the stream."""
-        failures = 0
-        deadline = time.monotonic() + self._hold_left()  # bounded even outside a hold
-        while True:
+        tries = CONTINUATIONS.attempts(deadline=time.monotonic() + self._hold_left())
+        async for _ in tries:  # the first try runs whatever the time; later ones within it
             status, raw = await self._ask_once(method, path, body)
-            if status < 500:
-                return status, raw
-            failures += 1
-            wait = backoff_s(failures)
-            if wait >= min(self._hold_left(), deadline - time.monotonic()):
-                return status, raw
+            wait = tries.next_wait()
+            # Asked again only if the answer can come while the hold lasts.
+            if status < 500 or wait is None or wait >= min(self._hold_left(), tries.left()):
+                break
             log.info(
                 "[%s] %s %s answered %d; asking again in %.2fs",
                 self.out.request_id,
@@ -457,7 +485,7 @@ class HeldStream:
                 status,
                 wait,
             )
-            await asyncio.sleep(wait)
+        return status, raw
 
     async def _ask_once(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         """A side request to any routable rank, within the hold. Not the
@@ -526,7 +554,7 @@ class HeldStream:
         self.relay.table.observe(
             attempt.rank.name,
             None,
-            "relay",
+            Source.RELAY,
             reachable=False,
             reason=f"a continuation was answered {status}",
         )
@@ -558,7 +586,7 @@ class HeldStream:
             len(self.book.generated),
         )
 
-    def _unhold(self, mode: str | None) -> None:
+    def _unhold(self, mode: ResumedBy | None) -> None:
         if self.held_since is None:
             return
         held_s = time.monotonic() - self.held_since
@@ -575,7 +603,11 @@ class HeldStream:
             self.hold_span = None
         if mode is not None:
             self.metrics.resumes.labels(mode).inc()
-            how = "the engine" if mode == "engine" else "the continuation (abort + continuation)"
+            how = (
+                "the engine"
+                if mode == ResumedBy.ENGINE
+                else "the continuation (abort + continuation)"
+            )
             log.info(
                 "[%s] stream resumed by %s after %.1fs on hold (%s)",
                 self.out.request_id,

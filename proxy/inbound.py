@@ -1,7 +1,7 @@
 """Checks on what clients send, before anything goes upstream.
 
-Each check raises a :mod:`proxy.errors` error that the error middleware turns
-into an OpenAI-shaped answer for this request alone.
+Each check raises a :mod:`proxy.errors` error that the pipeline's error step
+(proxy.pipeline) turns into an OpenAI-shaped answer for this request alone.
 """
 
 from __future__ import annotations
@@ -14,19 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
-from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, Unauthorized
+from proxy.errors import (
+    PayloadTooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from proxy.fields import parse_object
 
 if TYPE_CHECKING:
     from proxy.routes import Request
-
-
-class UnsupportedMediaType(ProxyError):
-    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
-
-
-class BodyUnreadable(BadRequest):
-    close_connection = True
 
 
 # The connection decodes these as the body comes (counted decoded, proxy.protocol);
@@ -36,11 +32,6 @@ DECODED = frozenset({"gzip", "deflate", "identity", ""})
 
 def too_large(max_bytes: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (decoded)")
-
-
-class RequestTimeout(ProxyError):
-    status, type, code = 408, "invalid_request_error", "request_timeout"
-    close_connection = True
 
 
 async def read_json(

@@ -1,22 +1,15 @@
 """Bounds on concurrent work: requests in flight (here), connections and header
-time (proxy.listener), body time (proxy.inbound), a client that takes no byte
+time (proxy.protocol), body time (proxy.protocol), a client that takes no byte
 of its answer (proxy.sendwatch), the wait queue (proxy.relay) and held streams
 (proxy.holdopen). Beyond a bound the answer is a 503 with
 ``Retry-After``, never unbounded memory or tasks."""
 
 from __future__ import annotations
 
-from proxy.errors import ProxyError
+from proxy.errors import Overloaded
 
 # Probes must answer however busy the proxy is.
 EXEMPT = frozenset({"/health", "/metrics", "/live", "/ready"})
-
-
-class Overloaded(ProxyError):
-    status, type, code = 503, "server_error", "overloaded"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, {"Retry-After": "1"})
 
 
 class RequestLimit:

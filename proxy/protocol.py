@@ -41,16 +41,8 @@ from multidict import CIMultiDict
 
 from proxy import accesslog
 from proxy.drain import Drain, InFlight
-from proxy.errors import error_body
-from proxy.inbound import (
-    DECODED,
-    BodyUnreadable,
-    RequestTimeout,
-    UnsupportedMediaType,
-    client_request_id,
-    new_request_id,
-    too_large,
-)
+from proxy.errors import BodyUnreadable, RequestTimeout, UnsupportedMediaType, error_body
+from proxy.inbound import DECODED, client_request_id, new_request_id, too_large
 from proxy.pipeline import Pipeline
 from proxy.routes import Request
 from proxy.sendwatch import SendWatch

@@ -28,14 +28,39 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from proxy.settings import GroupConfig
 
-HEALTHY = "healthy"
-UNHEALTHY = "unhealthy"
-DEAD = "dead"
-UNKNOWN = "unknown"
+
+class RankStatus(StrEnum):
+    """The statuses of vLLM's FT API that the proxy acts on."""
+
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DEAD = "dead"
+    UNKNOWN = "unknown"  # nothing usable heard yet, or an answer without a status
+
+    @classmethod
+    def parse(cls, word: str) -> RankStatus | str:
+        """The member for a rank's word, or the word itself when it names none.
+
+        An unknown word (vLLM's ``diagnosing``, or one a newer engine adds) is
+        kept as the engine said it rather than folded into UNKNOWN: operators
+        read it in /admin/ranks, /metrics labels and routing reasons, and it
+        routes like any other status that is not HEALTHY.
+        """
+        return cls(word) if word in cls._value2member_map_ else word
+
+
+class Source(StrEnum):
+    """Who made an observation of a rank."""
+
+    UNSEEN = ""  # no observation yet (the snapshot's empty string)
+    PUSH = "push"  # the status feed: says nothing about the HTTP server
+    POLL = "poll"
+    RELAY = "relay"  # the data plane's passive signals
 
 
 @dataclass
@@ -46,13 +71,13 @@ class Rank:
     weight: int
     status_feed: str | None = None
     dp_rank: int = 0
-    status: str = UNKNOWN
+    status: RankStatus | str = RankStatus.UNKNOWN  # see RankStatus.parse
     fault_info: str | None = None
     # Last status entry as the rank reported it, unknown fields included.
     detail: dict[str, Any] = field(default_factory=dict)
     reachable: bool = False
     reason: str = "not polled yet"
-    source: str = ""
+    source: Source = Source.UNSEEN
     observed_at: float = 0.0  # monotonic time of the observation behind `status`
     last_heard: float = 0.0  # wall clock of the last message or answer (for people)
     # The two halves of `reachable` (see the module doc), with their times.
@@ -63,7 +88,7 @@ class Rank:
     feed_reason: str = ""
     in_flight: int = 0
     # Which feed changed `status` last, and when (our wall clock).
-    changed_by: str = ""
+    changed_by: Source = Source.UNSEEN
     changed_at: float = 0.0
     # Publisher clock to our table, for the last pushed status change.
     push_delay_s: float | None = None
@@ -85,7 +110,7 @@ class Rank:
         """Why this rank itself cannot serve, or None."""
         if not self.reachable:
             return f"unreachable ({self.reason})" if self.reason else "unreachable"
-        if self.status != HEALTHY:
+        if self.status != RankStatus.HEALTHY:
             return self.status
         return None
 
@@ -195,17 +220,17 @@ class RankTable:
         self,
         name: str,
         observed_at: float | None,
-        source: str,
+        source: Source,
         *,
         reachable: bool,
-        status: str | None = None,
+        status: RankStatus | str | None = None,
         detail: dict[str, Any] | None = None,
         reason: str = "",
     ) -> bool:
         """Record an observation of a rank; returns False when it is stale.
 
-        ``observed_at`` is on :func:`time.monotonic` (None: now). ``source``
-        ``push`` is the status feed; any other source is an HTTP answer."""
+        ``observed_at`` is on :func:`time.monotonic` (None: now). A PUSH
+        source is the status feed; any other source is an HTTP answer."""
         rank = self.ranks.get(name)
         at = time.monotonic() if observed_at is None else observed_at
         if rank is None:
@@ -215,7 +240,7 @@ class RankTable:
         # and a recovery round waiting on it must hear of it at once.
         before = (rank.status, rank.reachable, rank.detail)
         applied = status_applied = False
-        if source == "push":
+        if source == Source.PUSH:
             rank.feed_ok, rank.feed_reason, applied = reachable, reason, True
         elif at >= rank.http_at:
             rank.http_ok, rank.http_at, rank.http_reason = reachable, at, reason

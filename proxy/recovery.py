@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import aiohttp
@@ -34,18 +35,45 @@ import aiohttp
 from proxy.bounded import Bound, parse_json, read_body
 from proxy.errors import ProxyError, RoundInProgress
 from proxy.metrics import Metrics
-from proxy.ranks import DEAD, HEALTHY, UNHEALTHY, Rank, RankTable
+from proxy.ranks import Rank, RankStatus, RankTable
+from proxy.retry import RetryPolicy
 from proxy.settings import Settings
 
 log = logging.getLogger("ftproxy.recovery")
 
-RECOVERED, FAILED, NOT_UNHEALTHY, RESTART_NEEDED, RUNNING = (
-    "recovered",
-    "failed",
-    "not_unhealthy",
-    "restart_needed",
-    "running",
-)
+
+class Outcome(StrEnum):
+    """How a round ended (RUNNING until it has)."""
+
+    RECOVERED = "recovered"
+    FAILED = "failed"
+    NOT_UNHEALTHY = "not_unhealthy"  # nothing sent: the group never got fully unhealthy
+    RESTART_NEEDED = "restart_needed"  # nothing sent: a rank is dead
+    RUNNING = "running"
+
+    @classmethod
+    def parse(cls, word: str) -> Outcome | str:
+        """A shared round store's word: a report another proxy version wrote
+        may name an outcome this one does not know; it is shown as written
+        (and so is junk that is no string: the store's JSON may hold anything)."""
+        known = isinstance(word, str) and word in cls._value2member_map_
+        return cls(word) if known else word
+
+
+class Trigger(StrEnum):
+    """Who started a round (a metrics label and a field of the round)."""
+
+    ADMIN = "admin"
+    AUTO = "auto"
+
+
+class Decision(StrEnum):
+    """What auto-recovery decided for a group (a metrics label)."""
+
+    RETRY = "retry"
+    SKIPPED = "skipped"
+    GAVE_UP = "gave_up"
+    FAILED = "failed"
 
 
 @dataclass
@@ -66,7 +94,7 @@ class RoundReport:
     group: str
     round_id: str
     instruction: str
-    outcome: str = RUNNING  # every path through a round sets the final one
+    outcome: Outcome | str = Outcome.RUNNING  # every path through a round sets the final one
     message: str = ""
     waited_s: float = 0.0
     took_s: float = 0.0
@@ -140,7 +168,7 @@ class Recovery:
     async def run(
         self,
         spec: RoundSpec,
-        trigger: str = "admin",
+        trigger: str = Trigger.ADMIN,
         round_id: str | None = None,
         before_fan_out: Callable[[], Awaitable[None]] | None = None,
         already_sent: bool = False,
@@ -204,7 +232,8 @@ class Recovery:
             if all(rr.sent for rr in report.ranks):
                 await self._watch(ranks, spec, report)
             else:
-                report.outcome, report.message = FAILED, "the instruction did not reach every rank"
+                report.outcome = Outcome.FAILED
+                report.message = "the instruction did not reach every rank"
         report.took_s = round(time.monotonic() - started, 3)
         for rr, rank in zip(report.ranks, ranks, strict=True):
             rr.status_after = rank.status
@@ -226,19 +255,21 @@ class Recovery:
 
     async def _precondition(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> bool:
         def settled() -> bool:
-            return all(r.status == UNHEALTHY for r in ranks) or any(r.status == DEAD for r in ranks)
+            return all(r.status == RankStatus.UNHEALTHY for r in ranks) or any(
+                r.status == RankStatus.DEAD for r in ranks
+            )
 
         t0 = time.monotonic()
         await self.table.wait_for(settled, spec.wait_unhealthy_s)
         report.waited_s = round(time.monotonic() - t0, 3)
-        dead = [r.name for r in ranks if r.status == DEAD]
+        dead = [r.name for r in ranks if r.status == RankStatus.DEAD]
         if dead:
-            report.outcome = RESTART_NEEDED
+            report.outcome = Outcome.RESTART_NEEDED
             report.message = f"dead rank(s) {', '.join(dead)}: restart the group; not retried"
             return False
-        laggards = [f"{r.name} is {r.status}" for r in ranks if r.status != UNHEALTHY]
+        laggards = [f"{r.name} is {r.status}" for r in ranks if r.status != RankStatus.UNHEALTHY]
         if laggards:
-            report.outcome = NOT_UNHEALTHY
+            report.outcome = Outcome.NOT_UNHEALTHY
             report.message = (
                 f"not every rank got unhealthy within {spec.wait_unhealthy_s:g}s "
                 f"({'; '.join(laggards)}); nothing sent"
@@ -277,26 +308,29 @@ class Recovery:
         t0 = time.monotonic()
 
         def failed_here(rank: Rank) -> bool:
-            return rank.status == DEAD or (
+            return rank.status == RankStatus.DEAD or (
                 bool(rank.detail.get("ft_error")) and rank.detail.get("last_ft_request_id") in ids
             )
 
         def done() -> bool:
             for rank, rr in zip(ranks, report.ranks, strict=True):
-                if rank.status == HEALTHY and rr.healthy_after_s is None:
+                if rank.status == RankStatus.HEALTHY and rr.healthy_after_s is None:
                     rr.healthy_after_s = round(time.monotonic() - t0, 3)
-            return all(r.status == HEALTHY for r in ranks) or any(failed_here(r) for r in ranks)
+            return all(r.status == RankStatus.HEALTHY for r in ranks) or any(
+                failed_here(r) for r in ranks
+            )
 
         await self.table.wait_for(done, spec.recover_s)
         for rank, rr in zip(ranks, report.ranks, strict=True):
             if failed_here(rank):
                 rr.ft_error = str(rank.detail.get("ft_error") or rank.status)
-        if all(r.status == HEALTHY for r in ranks):
-            report.outcome, report.message = RECOVERED, "every rank is healthy"
+        if all(r.status == RankStatus.HEALTHY for r in ranks):
+            report.outcome, report.message = Outcome.RECOVERED, "every rank is healthy"
         elif any(rr.ft_error for rr in report.ranks):
-            report.outcome, report.message = FAILED, "a rank rejected or failed the instruction"
+            report.outcome = Outcome.FAILED
+            report.message = "a rank rejected or failed the instruction"
         else:
-            report.outcome = FAILED
+            report.outcome = Outcome.FAILED
             report.message = f"not every rank healthy within {spec.recover_s:g}s"
 
 
@@ -326,46 +360,53 @@ class AutoRecovery:
 
     async def _watch_group(self, name: str) -> None:
         cfg = next(g for g in self.recovery.settings.groups if g.name == name).auto_recovery
+        # Not Attempts: a round another caller owns is no attempt of ours,
+        # and a recovered group starts over from the grace period.
+        backoff = RetryPolicy(base_s=cfg.backoff_s)
         attempts = 0
         while True:
             await self.table.wait_for(lambda: self._all_unhealthy(name), float("inf"))
             if attempts >= cfg.max_attempts:
-                self._decide(name, "gave_up", f"{attempts} rounds failed; waiting for a human")
+                self._decide(
+                    name, Decision.GAVE_UP, f"{attempts} rounds failed; waiting for a human"
+                )
                 await self.table.wait_for(lambda: not self._all_unhealthy(name), float("inf"))
                 attempts = 0
                 continue
-            delay = cfg.grace_s if attempts == 0 else cfg.backoff_s * 2 ** (attempts - 1)
+            delay = cfg.grace_s if attempts == 0 else backoff.delay(attempts)
             await asyncio.sleep(delay)
             if self.gate is not None:
                 await self.gate(name)  # leadership may have moved during the grace
             if not self._all_unhealthy(name):
-                self._decide(name, "skipped", "the group changed during the grace period")
+                self._decide(name, Decision.SKIPPED, "the group changed during the grace period")
                 continue
             attempts += 1
-            self._decide(name, "retry", f"attempt {attempts}/{cfg.max_attempts} after {delay:g}s")
+            self._decide(
+                name, Decision.RETRY, f"attempt {attempts}/{cfg.max_attempts} after {delay:g}s"
+            )
             spec = RoundSpec(group=name, wait_unhealthy_s=1.0, recover_s=cfg.recover_s)
             try:
-                report = await self.start(spec, "auto")
+                report = await self.start(spec, Trigger.AUTO)
             except RoundInProgress as busy:
                 # An operator's round for other work (a scale_down) owns the
                 # group; it is not an attempt of ours. Look again after it.
                 attempts -= 1
-                self._decide(name, "skipped", busy.message)
+                self._decide(name, Decision.SKIPPED, busy.message)
                 await self.wait_idle(name)
                 continue
             except ProxyError as e:
                 # The shared round store did not answer (etcd): a failed
                 # attempt; a round it did start is driven to its end all the
                 # same by its owner, and the next attempt joins it.
-                self._decide(name, "failed", e.message)
+                self._decide(name, Decision.FAILED, e.message)
                 continue
-            if report.outcome == RECOVERED:
+            if report.outcome == Outcome.RECOVERED:
                 attempts = 0
 
     def _all_unhealthy(self, name: str) -> bool:
         ranks = self.table.group(name)
-        return bool(ranks) and all(r.status == UNHEALTHY for r in ranks)
+        return bool(ranks) and all(r.status == RankStatus.UNHEALTHY for r in ranks)
 
-    def _decide(self, group: str, decision: str, why: str) -> None:
+    def _decide(self, group: str, decision: Decision, why: str) -> None:
         self.metrics.auto_recovery.labels(group, decision).inc()
         log.info("auto-recovery for group %s: %s (%s)", group, decision, why)

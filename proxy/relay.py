@@ -33,7 +33,7 @@ from proxy.rankclient import (
     ReadTimeout,
     StaleConnection,
 )
-from proxy.ranks import HEALTHY, Rank, RankTable
+from proxy.ranks import Rank, RankStatus, RankTable, Source
 from proxy.settings import Settings
 from proxy.sink import Reply
 from proxy.target import upstream_url
@@ -185,7 +185,7 @@ class Relay:
             self.metrics.upstream_errors.labels(rank.name, "connect").inc()
             # Passive signal: stop routing here until a poll or push says otherwise.
             self.table.observe(
-                rank.name, None, "relay", reachable=False, reason=f"request failed: {e}"
+                rank.name, None, Source.RELAY, reachable=False, reason=f"request failed: {e}"
             )
             log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
             return None
@@ -261,7 +261,9 @@ class Relay:
         ranks = self.table.serving(model)
         if any(r.routable for r in ranks):
             return False  # tried, all of them (the caller found no other)
-        return any(r.weight > 0 and (r.name not in tried or r.status != HEALTHY) for r in ranks)
+        return any(
+            r.weight > 0 and (r.name not in tried or r.status != RankStatus.HEALTHY) for r in ranks
+        )
 
     async def _queue(self, queue: Queue, model: str | None, failures: list[str]) -> None:
         """Wait for a routable rank within what is left of ``queue``."""

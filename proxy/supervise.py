@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from prometheus_client import Counter
 
+from proxy.retry import RetryPolicy
+
 log = logging.getLogger("ftproxy.tasks")
 
-BACKOFF_BASE_S = 0.2
-BACKOFF_CAP_S = 10.0
+# Restarts for as long as the process lives, 0.1-0.2 s after the first death
+# up to 5-10 s apart.
+RESTARTS = RetryPolicy(base_s=0.2, cap_s=10.0, jitter=0.5)
 HEALTHY_AFTER_S = 60.0  # a run this long resets the backoff
 
 
@@ -26,8 +28,8 @@ async def supervised(
 ) -> None:
     """Run ``run()`` until it returns (done) or is cancelled; restart it
     whenever it raises."""
-    failures = 0
-    while True:
+    runs = RESTARTS.attempts()
+    async for _ in runs:
         started = time.monotonic()
         try:
             await run()
@@ -38,6 +40,5 @@ async def supervised(
             log.exception("background task %s died; restarting it", name)
         if restarts is not None:
             restarts.labels(name).inc()
-        failures = 1 if time.monotonic() - started > HEALTHY_AFTER_S else failures + 1
-        ceiling = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (failures - 1))
-        await asyncio.sleep(random.uniform(ceiling / 2, ceiling))
+        if time.monotonic() - started > HEALTHY_AFTER_S:
+            runs.reset()

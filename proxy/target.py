@@ -20,7 +20,7 @@ import re
 
 from yarl import URL
 
-from proxy.errors import BadRequest
+from proxy.errors import InvalidTarget
 
 # The serving endpoints a client may use, as "METHOD /path".
 DEFAULT_FORWARD = (
@@ -63,10 +63,6 @@ _CONFIG_PATH = re.compile(r"(?:/[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]+)*)+")
 # Bytes that may never appear percent-encoded in a path.
 _NO_ENCODED = frozenset(b"/\\.%") | frozenset(range(0x20)) | {0x7F}
 _HEX = frozenset(b"0123456789abcdefABCDEF")
-
-
-class InvalidTarget(BadRequest):
-    code = "invalid_request_target"
 
 
 def check_target(raw: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from proxy.budget import BACKOFF_CAP_S, backoff_s
+from proxy.budget import CONTINUATIONS
 from tests.conftest import metric_when, replicas, settings_for
 from tests.test_continuity import read_stream
 
@@ -49,7 +49,7 @@ async def test_continuations_answered_500_back_off_within_the_budget(fakes, prox
     assert error_of(chunks)["code"] == "budget_exceeded" and done
     assert len(a.received) == 1 + BUDGET
     # Backed off between tries (each wait at least half its growing step).
-    least = sum(min(BACKOFF_CAP_S, 0.1 * 2 ** (n - 1)) / 2 for n in range(1, BUDGET))
+    least = sum(min(CONTINUATIONS.cap_s, 0.1 * 2 ** (n - 1)) / 2 for n in range(1, BUDGET))
     assert time.monotonic() - t0 >= least
     sent = await metric_when(http, p.url, "ftproxy_upstream_requests_per_request_sum", 1 + BUDGET)
     assert sent == 1 + BUDGET
@@ -120,6 +120,6 @@ async def test_many_streams_on_misbehaving_ranks_each_stay_within_the_budget(
 
 @pytest.mark.parametrize("failures", [1, 2, 5, 50])
 def test_backoff_grows_is_capped_and_jittered(failures: int) -> None:
-    waits = {backoff_s(failures) for _ in range(20)}
-    ceiling = min(BACKOFF_CAP_S, 0.1 * 2 ** (failures - 1))
+    waits = {CONTINUATIONS.delay(failures) for _ in range(20)}
+    ceiling = min(CONTINUATIONS.cap_s, 0.1 * 2 ** (failures - 1))
     assert all(ceiling / 2 <= w <= ceiling for w in waits) and len(waits) > 1

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from aiohttp import web
 
-from proxy.coordination.etcd import Client, Etcd, EtcdError
+from proxy.coordination.etcd import Client, Etcd
+from proxy.errors import EtcdError
 from proxy.settings import EtcdConfig
 from tests.conftest import until
 from tests.etcd_server import etcd_server

@@ -18,7 +18,8 @@ import pytest
 from aiohttp import web
 
 from proxy.coordination import COORD
-from proxy.coordination.etcd import Client, EtcdError
+from proxy.coordination.etcd import Client
+from proxy.errors import EtcdError
 from proxy.metrics import Metrics
 from proxy.ranks import RankTable
 from proxy.server import Running

@@ -10,6 +10,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,12 +22,14 @@ from proxy import supervise
 from proxy.feed import Poller, PushFeed
 from proxy.feedmsg import Dropped, Sequencer, parse
 from proxy.metrics import Metrics
-from proxy.ranks import HEALTHY, RankTable
+from proxy.ranks import RankStatus, RankTable
 from proxy.settings import Settings, Timeouts
 from proxy.upstream import make_session
 
 
-def good(n: int, status: str = HEALTHY, boot: str = "boot-1", **over: Any) -> list[bytes]:
+def good(
+    n: int, status: str = RankStatus.HEALTHY, boot: str = "boot-1", **over: Any
+) -> list[bytes]:
     body = {"v": 1, "kind": "status", "boot_id": boot, "seq": n, "ts": time.time(),
             "engines": [{"id": 0, "status": status}], **over}  # fmt: skip
     return [protocol.TOPIC, json.dumps(body).encode()]
@@ -128,7 +131,7 @@ async def test_subscriber_survives_junk_order_and_a_flood(pub: Any) -> None:
         for seq in range(10_001, 15_001):  # a flood of valid messages
             sock.send_multipart(good(seq, "unhealthy", boot="boot-0"))
         for seq in range(20_000, 20_500):  # PUB drops beyond its high-water mark
-            sock.send_multipart(good(seq, HEALTHY, boot="boot-0"))
+            sock.send_multipart(good(seq, RankStatus.HEALTHY, boot="boot-0"))
             if await table.wait_for(lambda: rank.routable, 0.02):
                 break
         assert rank.routable
@@ -216,7 +219,7 @@ async def test_poller_turns_every_bad_answer_into_not_routable(status_server) ->
 
 
 async def test_a_task_that_dies_is_logged_counted_and_restarted(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(supervise, "BACKOFF_BASE_S", 0.01)
+    monkeypatch.setattr(supervise, "RESTARTS", replace(supervise.RESTARTS, base_s=0.01))
     table = RankTable(Settings(groups=[{"name": "g", "ranks": [
         {"name": "r", "url": "http://127.0.0.1:1"}]}]).groups)  # fmt: skip
     metrics = Metrics(table)

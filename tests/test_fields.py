@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy import fields
-from proxy.fields import MAX_DEPTH, InvalidField, InvalidJson, check_fields, parse_object
+from proxy.errors import InvalidField, InvalidJson
+from proxy.fields import MAX_DEPTH, check_fields, parse_object
 from tests.conftest import settings_for
 
 BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [

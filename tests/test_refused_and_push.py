@@ -13,7 +13,7 @@ from multidict import CIMultiDict
 from engine_ext import protocol
 from proxy.feed import PushFeed
 from proxy.metrics import Metrics
-from proxy.ranks import HEALTHY, RankTable
+from proxy.ranks import RankStatus, RankTable
 from proxy.relay import Outbound, Relay
 from proxy.settings import Settings, Timeouts
 from proxy.upstream import make_rank_client
@@ -28,7 +28,7 @@ async def test_refused_connection_fails_over_and_marks_rank(fakes) -> None:
         {"name": "g1", "ranks": [{"name": "good", "url": good.url, "weight": 1}]}])  # fmt: skip
     table = RankTable(settings.groups)
     for r in table:  # both look healthy: the poll has not noticed yet
-        table.observe(r.name, None, "poll", reachable=True, status=HEALTHY)
+        table.observe(r.name, None, "poll", reachable=True, status=RankStatus.HEALTHY)
     client = make_rank_client(settings.timeouts)
     relay = Relay(table, client, settings, Metrics(table))
     body = b'{"prompt": "x", "max_tokens": 2}'
@@ -71,13 +71,13 @@ async def test_push_feed_updates_table_and_notices_silence(pub) -> None:
         rank = table.ranks["r"]
         # PUB drops messages until the subscriber has joined: keep sending.
         for _ in range(50):
-            await send(HEALTHY)
+            await send(RankStatus.HEALTHY)
             if await table.wait_for(lambda: rank.routable, 0.05):
                 break
         assert rank.routable and rank.source == "push"
         await send("unhealthy")
         assert await table.wait_for(lambda: rank.status == "unhealthy", 1.0)
-        await send(HEALTHY)
+        await send(RankStatus.HEALTHY)
         assert await table.wait_for(lambda: rank.routable, 1.0)
         # Silence for 2 heartbeat intervals: not routable any more.
         silent = protocol.HEARTBEAT_INTERVAL_S * 2

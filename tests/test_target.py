@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from proxy.errors import InvalidTarget
 from proxy.settings import Settings
-from proxy.target import InvalidTarget, check_target, parse_forward, upstream_url
+from proxy.target import check_target, parse_forward, upstream_url
 from tests.conftest import settings_for
 
 # Each would reach /fault_tolerance/*, /health or another path by normalization.

@@ -8,7 +8,7 @@ from collections import Counter
 
 from proxy.balancer import SmoothWeightedBalancer
 from proxy.feed import summarize
-from proxy.ranks import HEALTHY, RankTable
+from proxy.ranks import RankStatus, RankTable
 from proxy.settings import GroupConfig, RankConfig
 
 
@@ -19,7 +19,7 @@ def table(weights: dict[str, int], one_group: bool = False) -> RankTable:
         GroupConfig(name=f"g-{r.name}", ranks=[r]) for r in ranks]  # fmt: skip
     t = RankTable(groups)
     for r in t:
-        t.observe(r.name, 1.0, "poll", reachable=True, status=HEALTHY)
+        t.observe(r.name, 1.0, "poll", reachable=True, status=RankStatus.HEALTHY)
     return t
 
 
@@ -73,9 +73,9 @@ def test_unknown_status_is_not_routable() -> None:
 def test_newest_observation_wins() -> None:
     t = table({"a": 1})
     t.observe("a", 10.0, "push", reachable=True, status="unhealthy")
-    assert not t.observe("a", 9.0, "poll", reachable=True, status=HEALTHY)  # older poll
+    assert not t.observe("a", 9.0, "poll", reachable=True, status=RankStatus.HEALTHY)  # older poll
     assert t.ranks["a"].status == "unhealthy"
-    assert t.observe("a", 11.0, "poll", reachable=True, status=HEALTHY)
+    assert t.observe("a", 11.0, "poll", reachable=True, status=RankStatus.HEALTHY)
     assert t.ranks["a"].routable
 
 
@@ -85,7 +85,7 @@ async def test_wait_for_wakes_on_change() -> None:
     waiter = asyncio.create_task(t.wait_for(t.any_routable, 5.0))
     await asyncio.sleep(0.01)
     assert not waiter.done()
-    t.observe("a", 3.0, "poll", reachable=True, status=HEALTHY)
+    t.observe("a", 3.0, "poll", reachable=True, status=RankStatus.HEALTHY)
     assert await asyncio.wait_for(waiter, 1.0)
     assert not await t.wait_for(lambda: False, 0.05)
 
@@ -96,11 +96,11 @@ def test_a_faulted_member_makes_its_whole_group_unroutable() -> None:
     # b faults; a still says healthy (its collective has not timed out yet).
     t.observe("b", 2.0, "poll", reachable=True, status="unhealthy")
     a = t.ranks["a"]
-    assert a.status == HEALTHY and not a.routable
+    assert a.status == RankStatus.HEALTHY and not a.routable
     assert a.unroutable_reason == "rank b of its group is unhealthy"
     assert a.snapshot()["unroutable_reason"] == a.unroutable_reason
     assert SmoothWeightedBalancer().pick(t) is None
-    t.observe("b", 3.0, "poll", reachable=True, status=HEALTHY)
+    t.observe("b", 3.0, "poll", reachable=True, status=RankStatus.HEALTHY)
     assert a.routable and a.snapshot()["unroutable_reason"] is None
     # A member that cannot be reached (or whose feed fell silent) counts too.
     t.observe("b", 4.0, "push", reachable=False, reason="status feed silent for 6.0s")
@@ -128,17 +128,29 @@ def test_a_failed_poll_holds_until_a_newer_http_success() -> None:
     t = table({"a": 1})
     sent = time.monotonic()
     t.observe("a", None, "poll", reachable=False, reason="poll failed: TimeoutError")
-    t.observe("a", None, "push", reachable=True, status=HEALTHY)
+    t.observe("a", None, "push", reachable=True, status=RankStatus.HEALTHY)
     a = t.ranks["a"]
     assert not a.routable and a.unroutable_reason == "unreachable (poll failed: TimeoutError)"
     # An answer to a poll sent before the failure was known is older: ignored.
-    t.observe("a", sent, "poll", reachable=True, status=HEALTHY)
+    t.observe("a", sent, "poll", reachable=True, status=RankStatus.HEALTHY)
     assert not a.routable
-    t.observe("a", None, "poll", reachable=True, status=HEALTHY)
+    t.observe("a", None, "poll", reachable=True, status=RankStatus.HEALTHY)
     assert a.routable
     # A silent feed makes the rank unreachable whatever the polls say.
     t.observe("a", None, "push", reachable=False, reason="status feed silent for 6.0s")
-    t.observe("a", None, "poll", reachable=True, status=HEALTHY)
+    t.observe("a", None, "poll", reachable=True, status=RankStatus.HEALTHY)
     assert not a.routable and "silent" in str(a.unroutable_reason)
-    t.observe("a", None, "push", reachable=True, status=HEALTHY)
+    t.observe("a", None, "push", reachable=True, status=RankStatus.HEALTHY)
     assert a.routable
+
+
+def test_state_words_from_peers_are_members_when_known_and_kept_when_not() -> None:
+    from proxy.coordination.etcd import _report
+    from proxy.recovery import Outcome
+
+    assert RankStatus.parse("dead") is RankStatus.DEAD
+    assert RankStatus.parse("diagnosing") == "diagnosing"  # shown as the engine said it
+    stored = {"group": "g", "round_id": "r", "instruction": "retry", "ranks": []}
+    assert _report({**stored, "outcome": "failed"}).outcome is Outcome.FAILED
+    assert _report({**stored, "outcome": "newer"}).outcome == "newer"
+    assert _report({**stored, "outcome": 7}).outcome == 7

@@ -13,12 +13,13 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine_ext.rig.model import DTYPE, generate
@@ -62,22 +63,61 @@ class RigConfig:
     def request_log_path(self, rank: int) -> Path:
         return (self.log_dir / f"requests-rank{rank}.jsonl").absolute()
 
+    def ports(self) -> list[int]:
+        """Every TCP port the ranks listen on: HTTP, status feeds, DP RPC."""
+        http = [self.base_port + rank for rank in range(self.ranks)]
+        feeds = [self.pub_base_port + rank for rank in range(self.ranks)]
+        return [*http, *feeds, self.rpc_port]
+
+    def busy_ports(self) -> list[int]:
+        return [port for port in self.ports() if not _port_free(self.host, port)]
+
+    def on_free_ports(self, step: int = 100, tries: int = 20) -> RigConfig:
+        """This config, or one with every port moved by a multiple of
+        ``step``, whose ports are all free: two test runs or soaks on one
+        machine must not talk to each other's ranks."""
+        for shift in range(0, step * tries, step):
+            moved = replace(
+                self,
+                base_port=self.base_port + shift,
+                pub_base_port=self.pub_base_port + shift,
+                rpc_port=self.rpc_port + shift,
+            )
+            if not moved.busy_ports():
+                return moved
+        raise RuntimeError(f"no free ports for the rig near {self.ports()}")
+
 
 def rank_command(cfg: RigConfig, rank: int) -> list[str]:
     ft_config = f'{{"engine_recovery_timeout_sec": {cfg.recovery_timeout_s}}}'
+    options = {
+        "--model": str(cfg.model_dir),
+        "--served-model-name": SERVED_MODEL,
+        "--host": cfg.host,
+        "--port": str(cfg.base_port + rank),
+        "--data-parallel-size": str(cfg.ranks),
+        "--data-parallel-rank": str(rank),
+        "--data-parallel-address": cfg.host,
+        "--data-parallel-rpc-port": str(cfg.rpc_port),
+        "--all2all-backend": "nixl_ep",  # FT checks the name only
+        "--fault-tolerance-config": ft_config,
+        "--cpu-distributed-timeout-seconds": str(cfg.collective_timeout_s),
+        "--dtype": DTYPE,
+        "--max-model-len": "512",
+        "--max-num-seqs": "16",
+    }
+    flags = ["--enable-fault-tolerance", "--enforce-eager"]
+    if not cfg.log_stats:
+        flags.append("--disable-log-stats")
+    pairs = [part for option in options.items() for part in option]
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(cfg.model_dir), "--served-model-name", SERVED_MODEL,
-        "--host", cfg.host, "--port", str(cfg.base_port + rank),
-        "--data-parallel-size", str(cfg.ranks), "--data-parallel-rank", str(rank),
-        "--data-parallel-address", cfg.host, "--data-parallel-rpc-port", str(cfg.rpc_port),
-        "--all2all-backend", "nixl_ep",  # FT checks the name only
-        "--enable-fault-tolerance", "--fault-tolerance-config", ft_config,
-        "--cpu-distributed-timeout-seconds", str(cfg.collective_timeout_s),
-        "--dtype", DTYPE, "--enforce-eager", "--max-model-len", "512",
-        "--max-num-seqs", "16", *([] if cfg.log_stats else ["--disable-log-stats"]),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *pairs,
+        *flags,
         *cfg.extra_args,
-    ]  # fmt: skip
+    ]
 
 
 def rank_env(cfg: RigConfig, rank: int) -> dict[str, str]:
@@ -113,6 +153,10 @@ class Rig:
             self.wait_ready()
             if self.cfg.warm_up:
                 self.warm_up()
+        except Exception as exc:
+            tails = "\n".join(self._log_tail(rank, 1500) for rank in range(self.cfg.ranks))
+            self.stop()
+            raise RuntimeError(f"ranks did not come up: {exc!r}\n{tails}") from exc
         except BaseException:
             self.stop()
             raise
@@ -122,14 +166,25 @@ class Rig:
         self.stop()
 
     def start(self) -> None:
+        # A rank whose port is taken exits, but the rig would first find the
+        # other process's ranks ready on it and send them its requests (seen:
+        # warm-up answered 500 by ranks another test run was stopping).
+        if busy := self.cfg.busy_ports():
+            raise RuntimeError(
+                f"ports {busy} are in use (another rig or test run?); stop it, or use "
+                "RigConfig.on_free_ports()"
+            )
         generate(self.cfg.model_dir)
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(self.cfg.ranks):
             logf = open(self.cfg.log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 (child owns it)
             proc = subprocess.Popen(
-                rank_command(self.cfg, rank), env=rank_env(self.cfg, rank),
-                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                rank_command(self.cfg, rank),
+                env=rank_env(self.cfg, rank),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             logf.close()
             self.procs.append(proc)
             log.info("rank %d: pid %d, %s", rank, proc.pid, self.cfg.url(rank))
@@ -146,33 +201,87 @@ class Rig:
                 raise TimeoutError(f"ranks {sorted(pending)} not ready in {timeout_s:.0f}s")
             time.sleep(1.0)
 
-    def warm_up(self) -> None:
+    def warm_up(self, rounds: int = 3) -> None:
         """Short greedy requests on every rank at once, so the first measured
-        batch does not pay for lazy initialisation (a slow first step counts
-        against the collective timeout and looks like a fault)."""
+        batch does not pay for lazy initialisation.
+
+        On a machine with cold caches the first step compiles the CPU kernels
+        (measured: over 120 s on a 2-core box), longer than the collective
+        bound: the group faults in its own warm-up, and nothing but a retry
+        brings it back (without one the engine dies after its recovery
+        timeout and every request gets a 500). So the warm-up drives recovery
+        as an orchestrator would, then warms up again on the compiled kernels.
+        """
+        for _ in range(rounds):
+            if not self._warm_once():
+                return
+        raise RuntimeError(f"ranks faulted in each of {rounds} warm-up rounds")
+
+    def _warm_once(self) -> bool:
+        """One round of warm-up requests; True when the group faulted."""
         body = json.dumps(
-            {"model": SERVED_MODEL, "prompt": "warm up", "max_tokens": 8, "temperature": 0,
-             "logprobs": 2}
-        ).encode()  # fmt: skip
+            {
+                "model": SERVED_MODEL,
+                "prompt": "warm up",
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": 2,
+            }
+        ).encode()
 
         def one(rank: int) -> None:
             req = urllib.request.Request(
-                self.cfg.url(rank) + "/v1/completions", data=body,
+                self.cfg.url(rank) + "/v1/completions",
+                data=body,
                 headers={"Content-Type": "application/json"},
-            )  # fmt: skip
-            # The first request on a new machine compiles the CPU kernels
-            # (measured: over 120 s on a 2-core box); later ones take seconds.
+            )
             with urllib.request.urlopen(req, timeout=600) as resp:
                 resp.read()
 
-        with ThreadPoolExecutor(4 * self.cfg.ranks) as pool:
-            list(pool.map(one, [r % self.cfg.ranks for r in range(4 * self.cfg.ranks)]))
+        ranks = [r % self.cfg.ranks for r in range(4 * self.cfg.ranks)]
+        with ThreadPoolExecutor(len(ranks)) as pool:
+            pending = {pool.submit(one, rank) for rank in ranks}
+            while pending:
+                done, pending = wait(pending, timeout=1.0)
+                if "unhealthy" in self.statuses():
+                    log.warning("ranks faulted during warm-up (cold kernels?); retrying them")
+                    # Requests queued on a faulted rank wait inside the engine
+                    # until recovery; after it they end, served or aborted.
+                    self.recover()
+                    wait(pending)
+                    return True
+                for fut in done:
+                    fut.result()
+        return False
+
+    def statuses(self) -> list[str]:
+        """Each rank's FT status ("unknown" when it does not answer)."""
+        return [_rank_status(self.cfg.url(rank)) for rank in range(self.cfg.ranks)]
+
+    def recover(self, timeout_s: float = 120.0) -> None:
+        """Send one retry round to every rank once all of them report the
+        fault (a rank not yet ``unhealthy`` rejects it), then wait until all
+        are healthy again."""
+        deadline = time.monotonic() + timeout_s
+        round_id = f"rig-warm-up-{time.monotonic_ns()}"
+        sent = False
+        while (now := self.statuses()) != ["healthy"] * self.cfg.ranks:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks not healthy after {timeout_s:.0f}s: {now}")
+            if not sent and now == ["unhealthy"] * self.cfg.ranks:
+                for rank in range(self.cfg.ranks):
+                    _post_retry(self.cfg.url(rank), round_id)
+                sent = True
+            time.sleep(0.5)
 
     def _check_alive(self, rank: int) -> None:
         code = self.procs[rank].poll()
         if code is not None:
-            tail = (self.cfg.log_dir / f"rank{rank}.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"rank {rank} exited with {code}:\n{tail}")
+            raise RuntimeError(f"rank {rank} exited with {code}:\n{self._log_tail(rank, 3000)}")
+
+    def _log_tail(self, rank: int, chars: int) -> str:
+        path = self.cfg.log_dir / f"rank{rank}.log"
+        return f"--- {path} (end) ---\n" + path.read_text(errors="replace")[-chars:]
 
     def stop(self, grace_s: float = 15.0) -> None:
         for proc in self.procs:
@@ -198,3 +307,36 @@ def _http_ok(url: str) -> bool:
             return bool(resp.status == 200)
     except OSError:
         return False
+
+
+def _rank_status(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url + "/fault_tolerance/status", timeout=5) as resp:
+            engines = json.loads(resp.read())["engines"]
+            return str(engines[0]["status"])
+    except (OSError, ValueError, LookupError, TypeError):
+        return "unknown"
+
+
+def _post_retry(url: str, round_id: str) -> None:
+    # The shared id: newer vLLM namespaces a recovery round by it.
+    body = json.dumps({"instruction": "retry", "params": {}, "request_id": round_id})
+    req = urllib.request.Request(
+        url + "/fault_tolerance/apply",
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        resp.read()
+
+
+def _port_free(host: str, port: int) -> bool:
+    # SO_REUSEADDR as the ranks' servers set it: a port in TIME_WAIT from a
+    # rig just stopped is free, one something listens on is not.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True

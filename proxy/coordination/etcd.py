@@ -57,23 +57,34 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterable
+from enum import StrEnum
 from typing import Any, TypeVar
 
 from prometheus_client import Counter
 
 from proxy.bounded import parse_json
 from proxy.coordination import Coordination
-from proxy.coordination.gateway import Client, EtcdError, Stored
-from proxy.errors import RoundInProgress
-from proxy.recovery import RankReport, Recovery, RoundReport, RoundSpec
+from proxy.coordination.gateway import Client, Stored
+from proxy.errors import EtcdError, RoundInProgress
+from proxy.recovery import Outcome, RankReport, Recovery, RoundReport, RoundSpec
+from proxy.retry import RetryPolicy
 from proxy.settings import EtcdConfig
 from proxy.supervise import supervised
 
-__all__ = ["Client", "Etcd", "EtcdError"]  # the gateway's, for callers of this module
+__all__ = ["Client", "Etcd"]  # Client: the gateway's, for callers of this module
 
 log = logging.getLogger("ftproxy.coordination")
 
 T = TypeVar("T")
+
+
+class RoundState(StrEnum):
+    """A round record's ``state``, in the order it moves through them."""
+
+    WAITING = "waiting"
+    SENT = "sent"  # durable before the first POST: a new driver only watches
+    DONE = "done"
+
 
 # What the prefix watch wakes up: the kind of a key is its first part.
 KINDS = ("leader", "rounds", "weights")
@@ -84,7 +95,11 @@ POLL_S = 0.2
 # ... and with one, they re-read this often anyway: a safety net for a
 # change the watch missed, not the way changes arrive.
 RESYNC_S = 5.0
-WATCH_RETRY_S = 1.0
+# A watch that broke (or ended) is opened again a second later, every time:
+# meanwhile the readers poll, so a slow comeback costs nothing but polls.
+WATCH_RETRY = RetryPolicy(base_s=1.0, cap_s=1.0)
+# A round's report: 10 tries over about 11 s (0.2 s, doubling to 1.6 s).
+REPORT_RETRY = RetryPolicy(base_s=0.2, cap_s=1.6, max_attempts=10)
 
 
 class Etcd(Coordination):
@@ -239,7 +254,7 @@ class Etcd(Coordination):
         """Follow the prefix for the life of the process; reconnect when it
         breaks (anything else it raises ends it: supervised, it comes back)."""
         root = self.cfg.prefix.rstrip("/") + "/"
-        while True:
+        async for _ in WATCH_RETRY.attempts():
             try:
                 async for keys in self.client.watch(root):
                     if keys is None:  # (re)started, or junk: whatever changed, read it
@@ -253,7 +268,6 @@ class Etcd(Coordination):
             finally:
                 self.watching = False
                 self._changed(KINDS)  # waiters fall back to polling now
-            await asyncio.sleep(WATCH_RETRY_S)
 
     async def _tick(self) -> None:
         if self.lease is None or not await self.client.keepalive(self.lease):
@@ -375,7 +389,7 @@ class Etcd(Coordination):
             stored = await self.client.get(key)
             record = self._read(key, stored, _round)  # junk: no round, replaced below
             revision = stored.revision if stored is not None else 0
-            if record is not None and record["state"] != "done":
+            if record is not None and record["state"] != RoundState.DONE:
                 if not _spec(record).same_work(spec):
                     raise RoundInProgress(
                         f"round {record['round_id']} ({record['instruction']}) is in progress "
@@ -385,7 +399,11 @@ class Etcd(Coordination):
                     )
                 return await self._await_done(key, record["round_id"])
             round_id = uuid.uuid4().hex
-            fresh = {**_record(spec, round_id, trigger), "state": "waiting", "owner": self.me}
+            fresh = {
+                **_record(spec, round_id, trigger),
+                "state": RoundState.WAITING,
+                "owner": self.me,
+            }
             owner = (key + "/owner", self.me, self.lease)
             self._driving.add(round_id)  # a tick reading it before the answer leaves it to us
             try:
@@ -402,21 +420,20 @@ class Etcd(Coordination):
         assert self.recovery is not None
 
         async def sent() -> None:  # durable before the first POST goes out
-            await self.client.put(key, {**record, "state": "sent"})
+            await self.client.put(key, {**record, "state": RoundState.SENT})
 
         try:
             report = await self.recovery.run(
                 _spec(record), record["trigger"], record["round_id"], sent, already_sent
             )
-            done = {**record, "state": "done", "report": report.as_dict()}
-            for attempt in range(10):  # the report must land, or joiners wait forever
+            done = {**record, "state": RoundState.DONE, "report": report.as_dict()}
+            async for _ in REPORT_RETRY.attempts():  # it must land, or joiners wait forever
                 try:
                     await self.client.put(key, done)
                     await self.client.delete(key + "/owner")
                     break
                 except EtcdError as e:
                     log.warning("round %s: report not stored yet (%s)", record["round_id"], e)
-                    await asyncio.sleep(0.2 * (attempt + 1))
             return report
         finally:
             # Still ours and not done (the "sent" write or the report failed):
@@ -429,7 +446,7 @@ class Etcd(Coordination):
             record = self._read(key, await self.client.get(key), _round)
             if record is None or record["round_id"] != round_id:
                 raise EtcdError(f"round {round_id} vanished from etcd")
-            if record["state"] == "done":
+            if record["state"] == RoundState.DONE:
                 return _report(record["report"])
             await self.wait_change("rounds", seen)
 
@@ -442,7 +459,11 @@ class Etcd(Coordination):
             if key.endswith("/owner"):
                 continue
             record = self._read(key, stored, _round)
-            if record is None or record["state"] == "done" or record["round_id"] in self._driving:
+            if (
+                record is None
+                or record["state"] == RoundState.DONE
+                or record["round_id"] in self._driving
+            ):
                 continue
             holder = self._read(key + "/owner", found.get(key + "/owner"), _holder)
             if holder != self.me and (holder is not None or not self.is_leader(record["group"])):
@@ -456,7 +477,7 @@ class Etcd(Coordination):
 
     def _take_over(self, key: str, record: dict[str, Any]) -> None:
         self._driving.add(record["round_id"])
-        sent = record["state"] == "sent"
+        sent = record["state"] == RoundState.SENT
         log.warning(
             "round %s of group %s lost its driver (%s); %s takes it over%s",
             record["round_id"],
@@ -474,7 +495,7 @@ class Etcd(Coordination):
         while True:
             seen = self.seen("rounds")
             record = self._read(key, await self.client.get(key), _round)
-            if record is None or record["state"] == "done":
+            if record is None or record["state"] == RoundState.DONE:
                 return
             await self.wait_change("rounds", seen)
 
@@ -515,11 +536,11 @@ def _listed(record: dict[str, Any], driver: str | None) -> dict[str, Any]:
     running = {
         "round_id": record["round_id"],
         "instruction": record["instruction"],
-        "outcome": "running",
+        "outcome": Outcome.RUNNING,
     }
     return {
         "group": record["group"],
-        "active": record["state"] != "done",
+        "active": record["state"] != RoundState.DONE,
         "state": record["state"],
         "trigger": record["trigger"],
         "params": record["params"],
@@ -563,7 +584,7 @@ def _round(value: Any) -> dict[str, Any] | None:
         return None
     if not all(isinstance(value.get(f), kind) for f, kind in _ROUND_FIELDS.items()):
         return None
-    if value["state"] not in ("waiting", "sent", "done"):
+    if value["state"] not in RoundState._value2member_map_:
         return None
     # Timeouts of the round: json reads NaN, and one NaN timeout in asyncio's
     # timer heap makes the timers after it fire late and out of order.
@@ -571,7 +592,7 @@ def _round(value: Any) -> dict[str, Any] | None:
         return None
     if not all(isinstance(t, str) for t in value["targets"] or ()):
         return None
-    if value["state"] == "done":
+    if value["state"] == RoundState.DONE:
         try:
             _report(value["report"])
         except (KeyError, TypeError, AttributeError):
@@ -608,4 +629,5 @@ def _report(data: dict[str, Any]) -> RoundReport:
     ranks = [RankReport(**r) for r in data.get("ranks", [])]
     report = RoundReport(**{k: v for k, v in data.items() if k != "ranks"})
     report.ranks = ranks
+    report.outcome = Outcome.parse(report.outcome)
     return report

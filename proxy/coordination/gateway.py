@@ -33,19 +33,13 @@ import aiohttp
 from prometheus_client import Counter
 
 from proxy.bounded import Bound, fetch, lines, parse_json, read_body, stream
-from proxy.errors import ProxyError
+from proxy.errors import EtcdError
 from proxy.settings import EtcdConfig
 
 log = logging.getLogger("ftproxy.coordination")
 
 LOG_EVERY_S = 60.0
 _INT = re.compile(r"-?[0-9]{1,20}")  # int64 fields: JSON strings in the gateway's mapping
-
-
-class EtcdError(ProxyError):
-    """etcd did not answer or refused; an admin call gets 503."""
-
-    status, type, code = 503, "server_error", "coordination_unavailable"
 
 
 # What one endpoint's answer may raise: all of it fails the call there, and

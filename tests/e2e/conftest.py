@@ -76,7 +76,7 @@ class RigPool:
             rpc_port=13355 + offset, log_dir=Path(".rig") / f"logs-e2e-resume{int(resume)}",
             fault_inject=f"rank=1;trigger={trigger}", resume_after_recovery=resume,
             request_log=True,  # the soak's consistency checks read it
-        )  # fmt: skip
+        ).on_free_ports()  # fmt: skip
         rig = Rig(cfg)
         rig.__enter__()
         self.current = (resume, rig, LiveRig(cfg, trigger))

@@ -1,0 +1,130 @@
+"""The retry policy: its delays (pure, with an injected random) and a run of
+attempts on a fake clock (no real sleeping)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from proxy.retry import RetryPolicy
+
+
+class Clock:
+    """A monotonic clock that moves only when the run sleeps on it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def low(a: float, b: float) -> float:
+    return a
+
+
+def high(a: float, b: float) -> float:
+    return b
+
+
+def test_delay_doubles_from_the_base_up_to_the_cap() -> None:
+    policy = RetryPolicy(base_s=0.1, cap_s=1.0)
+    assert [policy.delay(n) for n in range(1, 7)] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
+
+
+def test_delay_without_a_cap_grows_without_overflow() -> None:
+    policy = RetryPolicy(base_s=5.0)
+    assert policy.delay(3) == 20.0
+    # 2 ** 1024 is past a float: the exponent stops growing long before.
+    assert math.isfinite(policy.delay(10_000)) and policy.delay(10_000) > 1e18
+
+
+def test_delay_before_any_failure_is_the_base() -> None:
+    assert RetryPolicy(base_s=0.3).delay(0) == 0.3
+
+
+@pytest.mark.parametrize("failures", [1, 2, 5, 50])
+def test_jitter_takes_off_at_most_its_fraction(failures: int) -> None:
+    policy = RetryPolicy(base_s=0.2, cap_s=10.0, jitter=0.5)
+    ceiling = min(10.0, 0.2 * 2 ** (failures - 1))
+    assert policy.delay(failures, low) == ceiling / 2
+    assert policy.delay(failures, high) == ceiling
+    waits = {policy.delay(failures) for _ in range(50)}
+    assert all(ceiling / 2 <= w <= ceiling for w in waits) and len(waits) > 1
+
+
+async def test_attempts_are_counted_and_waited_for() -> None:
+    clock = Clock()
+    policy = RetryPolicy(base_s=0.1, cap_s=0.3, max_attempts=4)
+    numbers = [n async for n in policy.attempts(clock=clock, sleep=clock.sleep)]
+    assert numbers == [1, 2, 3, 4]
+    assert clock.slept == pytest.approx(
+        [0.1, 0.2, 0.3]
+    )  # none before the first, none after the last
+
+
+async def test_a_break_ends_the_run_without_a_wait() -> None:
+    clock = Clock()
+    tries = RetryPolicy(base_s=1.0).attempts(clock=clock, sleep=clock.sleep)
+    async for n in tries:
+        if n == 2:
+            break
+    assert tries.number == 2 and clock.slept == [1.0]
+
+
+async def test_the_deadline_cuts_the_last_wait_and_stops_the_run() -> None:
+    clock = Clock()
+    policy = RetryPolicy(base_s=1.0)
+    tries = policy.attempts(deadline=clock.now + 2.5, clock=clock, sleep=clock.sleep)
+    numbers = [n async for n in tries]
+    # Tries at 0, 1 and 3 s would be next; the wait from 1 s stops at 2.5 s.
+    assert numbers == [1, 2]
+    assert clock.slept == pytest.approx([1.0, 1.5])
+    assert tries.next_wait() is None and tries.left() <= 0
+
+
+async def test_the_budget_bounds_the_run_like_a_deadline() -> None:
+    clock = Clock()
+    policy = RetryPolicy(base_s=1.0, budget_s=3.5)
+    assert [n async for n in policy.attempts(clock=clock, sleep=clock.sleep)] == [1, 2, 3]
+    assert sum(clock.slept) == pytest.approx(3.5)
+    # The earlier of the two wins.
+    clock = Clock()
+    tries = policy.attempts(deadline=clock.now + 1.5, clock=clock, sleep=clock.sleep)
+    assert [n async for n in tries] == [1, 2]
+
+
+async def test_the_first_try_runs_even_past_the_deadline() -> None:
+    clock = Clock()
+    tries = RetryPolicy(base_s=1.0).attempts(deadline=clock.now - 1, clock=clock, sleep=clock.sleep)
+    assert [n async for n in tries] == [1]
+    assert clock.slept == []
+
+
+async def test_next_wait_is_the_wait_the_run_then_sleeps() -> None:
+    clock = Clock()
+    policy = RetryPolicy(base_s=1.0, jitter=0.5)
+    tries = policy.attempts(clock=clock, sleep=clock.sleep)
+    async for n in tries:
+        if n == 3:
+            break
+        announced = tries.next_wait()
+        assert announced == tries.next_wait()  # drawn once
+    assert clock.slept[-1] == announced
+
+
+async def test_reset_starts_the_backoff_over() -> None:
+    clock = Clock()
+    tries = RetryPolicy(base_s=1.0, max_attempts=3).attempts(clock=clock, sleep=clock.sleep)
+    async for n in tries:
+        if n == 3 and len(clock.slept) == 2:
+            tries.reset()  # the third try ran long and well before it failed
+        if len(clock.slept) == 4:
+            break
+    assert clock.slept == [1.0, 2.0, 1.0, 2.0]
