@@ -8,8 +8,10 @@ client is an :class:`asyncio.Protocol` on httptools (llhttp, the parser
 aiohttp uses too): bytes in, one parser call, body chunks straight into the
 response, and a pool of keep-alive connections per rank.
 
-Only the relay uses it; status polls, model lists and recovery calls keep
-their aiohttp session (they are few).
+Every request to a rank goes through it (proxy.upstream.Upstream: the
+relay's, and the proxy's own side requests), and every transport failure
+leaves it as one of :mod:`proxy.errors`' RankError tree, mapped here where
+the connection is made and the bytes are read.
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ import httptools
 from multidict import CIMultiDict
 from yarl import URL
 
+from proxy.errors import (
+    BadResponse,
+    BodyTooLarge,
+    ConnectFailed,
+    PoolFull,
+    RankConnectionError,
+    ReadTimeout,
+    StaleConnection,
+)
+
 # Unread body a response may buffer before the rank's socket stops being read
 # (backpressure from a slow client reaches the rank, as with aiohttp).
 _HIGH_WATER = 64 * 1024
@@ -35,33 +47,6 @@ _HIGH_WATER = 64 * 1024
 MAX_HEAD = 64 * 1024
 
 
-class RankConnectionError(ConnectionError):
-    """The connection to the rank failed or was lost."""
-
-
-class StaleConnection(RankConnectionError):
-    """A pooled connection the rank had closed (its keep-alive ran out as it
-    was reused): nothing was answered, so the request may be sent again."""
-
-
-class PoolFull(Exception):
-    """Every connection the rank may have is busy, and none came free in
-    time. Nothing was sent: the rank is busy, not down."""
-
-
-class BadResponse(Exception):
-    """The rank answered bytes that are not HTTP (a status line, a header)."""
-
-
-class ReadTimeout(TimeoutError):
-    """The rank sent nothing for ``read_s`` during an answer."""
-
-
-class BodyTooLarge(Exception):
-    """An answer read whole is larger than its reader's limit. Not one of
-    :data:`BODY_ERRORS`: the answer was not lost, it is one not to keep."""
-
-
 # A 101 answer (a protocol switch nobody asked for) raises HttpParserUpgrade,
 # which is no HttpParserError: uncaught, it escaped data_received, the loop
 # logged a fatal transport error and the answer read as a lost connection
@@ -69,7 +54,7 @@ class BodyTooLarge(Exception):
 _PARSE_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)
 
 # What reading an answer's body may raise: the answer is lost.
-BODY_ERRORS = (TimeoutError, ConnectionError, BadResponse)
+BODY_ERRORS = (RankConnectionError, ReadTimeout, BadResponse)
 
 
 _Key = tuple[str, int, bool]  # host, port, TLS
@@ -561,6 +546,12 @@ class RankClient:
                     ssl=ctx,
                     server_hostname=host if tls else None,
                 )
+        except TimeoutError as e:  # before OSError: it is one
+            self._freed(key)
+            raise ConnectFailed(f"no connection to the rank within {self.connect_s:g}s") from e
+        except OSError as e:  # refused, unreachable, a name that does not resolve, TLS
+            self._freed(key)
+            raise ConnectFailed(f"cannot connect to the rank: {e!r}") from e
         except BaseException:
             self._freed(key)
             raise
