@@ -1,19 +1,21 @@
 """Reading a peer's answer, bounded in size and time.
 
-The relay bounds what it reads itself (proxy.rankclient, proxy.relay). Every
-other read of a peer goes through here: status polls and ``/health``
-(proxy.feed), model lists (proxy.models), recovery's apply answers
-(proxy.recovery), and every etcd answer and watch message
-(proxy.coordination.etcd). An answer longer than its bound is refused as soon
-as the bound is passed (at once when its Content-Length says so): the rest is
-never read, and its connection is closed, not pooled. Only that call fails;
-it is logged (at most once a minute for each peer and address) and counted in
+A :class:`Bound` says how much of one kind of answer is read, and for how
+long. The ranks' answers are read through proxy.upstream (status polls and
+``/health`` in proxy.feed, model lists in proxy.models, recovery's apply
+answers in proxy.recovery) with the rank client; etcd's answers and watch
+messages (proxy.coordination.gateway) with the aiohttp helpers here. An
+answer longer than its bound is refused as soon as the bound is passed (at
+once when its Content-Length says so): the rest is never read, and its
+connection is closed, not pooled. Only that call fails; it is logged (at most
+once a minute for each peer and address) and counted in
 ``ftproxy_peer_answers_too_large_total{peer}``.
 
-Errors, beside aiohttp's (``aiohttp.ClientError``) and ``TimeoutError``:
-:class:`TooLarge`, and ``ValueError`` for a body that is not JSON
-(:meth:`Answer.json`). TooLarge is a ValueError too: like a body that is not
-JSON, it is an answer no reader can take.
+Errors (proxy.errors): :class:`~proxy.errors.TooLarge`, and
+:class:`~proxy.errors.BadJSON` for a body that is not JSON
+(:meth:`Answer.json`); both are ValueErrors too, answers no reader can take.
+Beside them, etcd's reads raise aiohttp's (``aiohttp.ClientError``) and
+``TimeoutError``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import aiohttp
 from prometheus_client import Counter
 
+from proxy.errors import BadJSON, TooLarge
 from proxy.fields import MAX_DEPTH
 
 log = logging.getLogger("ftproxy.peers")
@@ -37,25 +40,23 @@ log = logging.getLogger("ftproxy.peers")
 LOG_EVERY_S = 60.0
 
 
-class TooLarge(ValueError):
-    """A peer's answer, or one message of its stream, is over its bound."""
-
-
 def parse_json(raw: bytes) -> Any:
     """``raw`` as JSON, None when it is empty (as aiohttp's ``json()`` reads
-    it); ValueError when it is not, or nests deeper than a client's body may
-    (:data:`proxy.fields.MAX_DEPTH`): what parses near the parser's own limit
-    raises RecursionError later, where it is compared or written out again
-    deeper in the stack (a rank's answer shown in /admin/ranks, a model list
-    passed on to a client)."""
+    it); :class:`~proxy.errors.BadJSON` (a ValueError) when it is not, or
+    nests deeper than a client's body may (:data:`proxy.fields.MAX_DEPTH`):
+    what parses near the parser's own limit raises RecursionError later,
+    where it is compared or written out again deeper in the stack (a rank's
+    answer shown in /admin/ranks, a model list passed on to a client)."""
     if not raw.strip():
         return None
     try:
         parsed = jsonlib.loads(raw)
     except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
+        raise BadJSON("JSON nested too deeply") from None
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise BadJSON(f"not JSON: {e}") from e
     if _nests_deeper(parsed, MAX_DEPTH):
-        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+        raise BadJSON(f"JSON nested deeper than {MAX_DEPTH} levels")
     return parsed
 
 
@@ -111,8 +112,13 @@ class Answer:
     body: bytes
 
     def json(self) -> Any:
-        """The body as JSON (ValueError when it is not)."""
-        return parse_json(self.body)
+        """The body as JSON; :class:`~proxy.errors.BadJSON`, with this
+        answer's status, when it is not."""
+        try:
+            return parse_json(self.body)
+        except BadJSON as e:
+            e.status = self.status
+            raise
 
 
 async def fetch(

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import NoReturn, cast
 
 import httptools
-from multidict import CIMultiDict
+from multidict import MultiMapping
 from yarl import URL
 
 from proxy.errors import (
@@ -369,6 +369,13 @@ class RankResponse:
         return None
 
     @property
+    def content_length(self) -> int:
+        """The answer's Content-Length; 0 when it has none (or a bad one: the
+        parser refused that already)."""
+        value = self.header(b"content-length")
+        return int(value) if value is not None and value.strip().isdigit() else 0
+
+    @property
     def content_type(self) -> str:
         for n, v in self._raw_headers:
             if n.lower() == b"content-type":
@@ -423,7 +430,7 @@ class RankResponse:
         """The whole body. Over ``limit`` bytes (as announced, or as read so
         far): :class:`BodyTooLarge`, and the connection closes (the rest is
         never read)."""
-        if limit is not None and _declared_length(self) > limit:
+        if limit is not None and self.content_length > limit:
             self._too_large(limit)
         if self.complete and self._exc is None:  # all in already: no iterator
             data = self._take_buffered() if self._buf else b""
@@ -503,7 +510,7 @@ class RankClient:
         self._all: set[_Conn] = set()
 
     async def request(
-        self, method: str, url: URL, headers: CIMultiDict[str], body: bytes, fresh: bool = False
+        self, method: str, url: URL, headers: MultiMapping[str], body: bytes, fresh: bool = False
     ) -> RankResponse:
         """Send and wait for the status line and headers. ``fresh``: on a new
         connection, never a pooled one. Raises :class:`StaleConnection` when
@@ -643,13 +650,6 @@ def _frames_a_body(status: int, raw: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-def _declared_length(resp: RankResponse) -> int:
-    """The answer's Content-Length; 0 when it has none (or a bad one: the
-    parser refused that already)."""
-    value = resp.header(b"content-length")
-    return int(value) if value is not None and value.strip().isdigit() else 0
-
-
 def _client_context(tls: ssl_module.SSLContext | bool) -> ssl_module.SSLContext:
     if isinstance(tls, ssl_module.SSLContext):
         return tls
@@ -660,7 +660,7 @@ def _client_context(tls: ssl_module.SSLContext | bool) -> ssl_module.SSLContext:
     return ctx
 
 
-def _encode(method: str, url: URL, host: str, headers: CIMultiDict[str], body: bytes) -> bytes:
+def _encode(method: str, url: URL, host: str, headers: MultiMapping[str], body: bytes) -> bytes:
     """The request head and body in one buffer: one write, one segment."""
     target = url.raw_path_qs or "/"
     host_header = host if url.is_default_port() else f"{host}:{url.port}"
