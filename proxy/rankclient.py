@@ -210,30 +210,29 @@ class _Conn(asyncio.Protocol):
         self.transport.write(data)
 
     def _arm_read(self) -> None:
-        self.read_handle = self.pool.loop.call_at(
-            self.last_read + self.pool.read_s, self._read_check
-        )
+        if (read_s := self.pool.read_s) is not None:  # None: the caller bounds its time
+            self.read_handle = self.pool.loop.call_at(self.last_read + read_s, self._read_check)
 
     def _read_check(self) -> None:
         """Re-armed from the last read rather than reset on every read: one
         timer per ``read_s``, not one per chunk."""
         self.read_handle = None
-        resp = self.response
-        if resp is None or resp.complete:
+        resp, read_s = self.response, self.pool.read_s
+        if resp is None or resp.complete or read_s is None:
             return
         if resp._paused:
             # The socket is not read (a reader slower than the rank): the
             # rank cannot be heard, so nor judged silent. Judged from the resume.
-            self.read_handle = self.pool.loop.call_later(self.pool.read_s, self._read_check)
+            self.read_handle = self.pool.loop.call_later(read_s, self._read_check)
             return
         now = self.pool.loop.time()
-        if now - self.last_read >= self.pool.read_s:
-            resp._fail(ReadTimeout(f"the rank sent nothing for {self.pool.read_s:g}s"))
+        if now - self.last_read >= read_s:
+            resp._fail(ReadTimeout(f"the rank sent nothing for {read_s:g}s"))
             self.close()
-        elif not resp.status and now - self.first_read >= self.pool.read_s:
+        elif not resp.status and now - self.first_read >= read_s:
             # A head is sent at once; one dripped a byte at a time kept the
             # silence timer from ever firing (found within 2 * read_s).
-            resp._fail(ReadTimeout(f"the rank's answer head took over {self.pool.read_s:g}s"))
+            resp._fail(ReadTimeout(f"the rank's answer head took over {read_s:g}s"))
             self.close()
         else:
             self._arm_read()
@@ -487,12 +486,14 @@ class RankClient:
     """Keep-alive connections to ranks, at most ``per_rank`` each (0: no
     limit); an idle one is closed after ``idle_s``, before vLLM closes it
     (5 s), so a reused connection is rarely one the rank already dropped.
-    A request waits up to ``slot_s`` for a connection to come free."""
+    A request waits up to ``slot_s`` for a connection to come free.
+    ``read_s`` None: no silence limit, for a peer whose stream idles between
+    messages (etcd's watch) and whose calls each have their own deadline."""
 
     def __init__(
         self,
         connect_s: float,
-        read_s: float,
+        read_s: float | None,
         idle_s: float,
         per_rank: int = 0,
         tls: ssl_module.SSLContext | bool = True,

@@ -12,18 +12,15 @@ sends and reads; which rank to use is the balancer's call.
 
 from __future__ import annotations
 
-import asyncio
 import json as jsonlib
 import ssl
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
-from yarl import URL
+from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.bounded import Answer, Bound
-from proxy.errors import BodyTooLarge, RankError, RankTimeout, StaleConnection
-from proxy.rankclient import RankClient, RankResponse
+from proxy.bounded import Answer, Bound, fetch
+from proxy.rankclient import RankClient
 from proxy.settings import Timeouts
 
 # RFC 9110 hop-by-hop headers, plus those aiohttp recomputes itself.
@@ -61,11 +58,8 @@ def make_rank_client(
     return RankClient(t.connect_s, t.read_s, t.upstream_idle_s, per_rank, tls, t.queue_s)
 
 
-# The proxy reads side answers itself, bounded as they are sent: it asks for
-# them uncompressed and never inflates one, so a bomb cannot inflate past its
-# bound before it is counted (a rank that compressed them failed every poll).
-_SIDE_HEADERS = CIMultiDictProxy(CIMultiDict({"Accept-Encoding": "identity"}))
-_SIDE_JSON_HEADERS = CIMultiDictProxy(
+# Answers are asked for uncompressed (proxy.bounded), whatever is sent.
+_JSON = CIMultiDictProxy(
     CIMultiDict({"Accept-Encoding": "identity", "Content-Type": "application/json"})
 )
 
@@ -83,68 +77,16 @@ class Upstream:
 
     async def get(self, rank_url: str, path: str, bound: Bound) -> Answer:
         """``GET path`` of the rank, its answer read whole within ``bound``."""
-        return await self._call("GET", rank_url, path, bound, b"", _SIDE_HEADERS)
+        return await fetch(self.side, "GET", rank_url + path, bound)
 
     async def post_json(self, rank_url: str, path: str, body: Any, bound: Bound) -> Answer:
         """``POST path`` of the rank with ``body`` as JSON, as :meth:`get`."""
         raw = jsonlib.dumps(body).encode()
-        return await self._call("POST", rank_url, path, bound, raw, _SIDE_JSON_HEADERS)
-
-    async def _call(
-        self,
-        method: str,
-        rank_url: str,
-        path: str,
-        bound: Bound,
-        body: bytes,
-        headers: MultiMapping[str],
-    ) -> Answer:
-        """One side request within ``bound.within_s`` from connect to the
-        last byte; a failure after the head carries its status
-        (:attr:`RankError.status`)."""
-        url = URL(rank_url + path)
-        status: int | None = None
-        try:
-            async with asyncio.timeout(bound.within_s):
-                resp = await self._send(method, url, headers, body)
-                try:
-                    status = resp.status
-                    return Answer(resp.status, await _read(resp, bound, rank_url + path))
-                finally:
-                    resp.close()  # pooled when read to its end, else closed
-        except RankError as e:
-            e.status = status
-            raise
-        except TimeoutError as e:
-            late = RankTimeout(f"{bound.peer} answer not in within {bound.within_s:g}s")
-            late.status = status
-            raise late from e
-
-    async def _send(
-        self, method: str, url: URL, headers: MultiMapping[str], body: bytes
-    ) -> RankResponse:
-        try:
-            return await self.side.request(method, url, headers, body)
-        except StaleConnection:
-            # The rank had closed the pooled connection as it was reused:
-            # nothing was answered, so once more on a new one, as the relay does.
-            return await self.side.request(method, url, headers, body, fresh=True)
+        return await fetch(self.side, "POST", rank_url + path, bound, raw, _JSON)
 
     async def close(self) -> None:
         await self.relay.close()
         await self.side.close()
-
-
-async def _read(resp: RankResponse, bound: Bound, url: str) -> bytes:
-    """The body, refused (counted, logged) as soon as it is over the bound:
-    at once when its Content-Length says so; the rest is never read."""
-    if resp.content_length > bound.max_bytes:
-        resp.close()
-        raise bound.refuse(url, f"Content-Length {resp.content_length}")
-    try:
-        return await resp.read(bound.max_bytes)
-    except BodyTooLarge as e:
-        raise bound.refuse(url, f"over {bound.max_bytes} bytes sent") from e
 
 
 def request_headers(
