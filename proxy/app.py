@@ -40,14 +40,14 @@ from proxy.state import (
     MODEL_LISTS,
     RECOVERY,
     RELAY,
-    SESSION,
     SETTINGS,
     TABLE,
     TRACING,
+    UPSTREAM,
 )
 from proxy.supervise import supervised
 from proxy.target import parse_forward
-from proxy.upstream import make_rank_client, make_session, request_headers
+from proxy.upstream import Upstream, request_headers
 
 log = logging.getLogger("ftproxy.app")
 
@@ -108,7 +108,9 @@ async def forward_v1(
 
 async def list_models(request: Request) -> Response:
     check_api_key(request.headers, request.app[SETTINGS].api_keys)
-    merged = await models.gather(request.app[SESSION], request.app[TABLE], request.app[MODEL_LISTS])
+    merged = await models.gather(
+        request.app[UPSTREAM], request.app[TABLE], request.app[MODEL_LISTS]
+    )
     return json_response(merged)
 
 
@@ -157,21 +159,19 @@ def _background(
     return ctx
 
 
-async def _client_session(app: web.Application) -> AsyncIterator[None]:
+async def _upstream(app: web.Application) -> AsyncIterator[None]:
     t, limits = app[SETTINGS].timeouts, app[SETTINGS].limits
-    # Every call to a rank (relay, polls, models, recovery) gets the same TLS
-    # settings, so https:// ranks are verified the same way everywhere.
+    # Every call to a rank (relay, polls, models, recovery) goes through one
+    # upstream, so https:// ranks are verified the same way everywhere.
     tls = app[SETTINGS].upstream_tls.context()
-    session = make_session(t, limits.upstream_connections_per_rank, tls=tls)
-    client = make_rank_client(t, limits.upstream_connections_per_rank, tls=tls)
-    app[SESSION] = session
-    app[RELAY] = Relay(app[TABLE], client, app[SETTINGS], app[METRICS])
+    upstream = Upstream(t, limits.upstream_connections_per_rank, tls=tls)
+    app[UPSTREAM] = upstream
+    app[RELAY] = Relay(app[TABLE], upstream.relay, app[SETTINGS], app[METRICS])
     app[RELAY].tracing = app[TRACING]
-    app[RECOVERY] = Recovery(app[TABLE], session, app[SETTINGS], app[METRICS])
+    app[RECOVERY] = Recovery(app[TABLE], upstream, app[SETTINGS], app[METRICS])
     app[COORD].attach(app[RECOVERY])
     yield
-    await session.close()
-    await client.close()
+    await upstream.close()
 
 
 def _model_lists(settings: Settings, metrics: Metrics) -> Bound:
@@ -182,12 +182,12 @@ def _model_lists(settings: Settings, metrics: Metrics) -> Bound:
 
 
 async def _learn_models(app: web.Application) -> None:
-    await models.learn(app[SESSION], app[TABLE], app[MODEL_LISTS])
+    await models.learn(app[UPSTREAM], app[TABLE], app[MODEL_LISTS])
 
 
 async def _poll(app: web.Application) -> None:
     settings = app[SETTINGS]
-    await Poller(app[TABLE], app[SESSION], settings.timeouts, app[METRICS], settings.limits).run()
+    await Poller(app[TABLE], app[UPSTREAM], settings.timeouts, app[METRICS], settings.limits).run()
 
 
 async def _push(app: web.Application) -> None:
@@ -238,7 +238,7 @@ def build_app(
     app[METRICS] = Metrics(table)
     app[MODEL_LISTS] = _model_lists(settings, app[METRICS])
     app[COORD] = coord if coord is not None else coordination.for_settings(settings)
-    app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_upstream)
     app.cleanup_ctx.append(_background("coordination", _coordinate))
     if app[METRICS].multiprocess:
         app.cleanup_ctx.append(_background("metrics-sampler", _sample_metrics))

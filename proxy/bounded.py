@@ -1,19 +1,22 @@
-"""Reading a peer's answer, bounded in size and time.
+"""Reading a peer's answer, bounded in size and time, with the rank client.
 
-The relay bounds what it reads itself (proxy.rankclient, proxy.relay). Every
-other read of a peer goes through here: status polls and ``/health``
-(proxy.feed), model lists (proxy.models), recovery's apply answers
-(proxy.recovery), and every etcd answer and watch message
-(proxy.coordination.etcd). An answer longer than its bound is refused as soon
-as the bound is passed (at once when its Content-Length says so): the rest is
-never read, and its connection is closed, not pooled. Only that call fails;
-it is logged (at most once a minute for each peer and address) and counted in
+A :class:`Bound` says how much of one kind of answer is read, and for how
+long. Every answer the proxy reads for itself goes through here, on a
+:class:`~proxy.rankclient.RankClient`: the ranks' (status polls and
+``/health`` in proxy.feed, model lists in proxy.models, recovery's apply
+answers in proxy.recovery, all through proxy.upstream) and etcd's answers
+and watch messages (proxy.coordination.gateway). An answer longer than its
+bound is refused as soon as the bound is passed (at once when its
+Content-Length says so): the rest is never read, and its connection is
+closed, not pooled. Only that call fails; it is logged (at most once a
+minute for each peer and address) and counted in
 ``ftproxy_peer_answers_too_large_total{peer}``.
 
-Errors, beside aiohttp's (``aiohttp.ClientError``) and ``TimeoutError``:
-:class:`TooLarge`, and ``ValueError`` for a body that is not JSON
-(:meth:`Answer.json`). TooLarge is a ValueError too: like a body that is not
-JSON, it is an answer no reader can take.
+Errors: the RankError tree (proxy.errors), :class:`~proxy.errors.TooLarge`
+over the bound, :class:`~proxy.errors.RankTimeout` past a call's deadline,
+:class:`~proxy.errors.BadJSON` for a body that is not JSON
+(:meth:`Answer.json`); a watch line whose rest does not come in time
+(:func:`lines`) raises ``TimeoutError``.
 """
 
 from __future__ import annotations
@@ -27,35 +30,41 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 from prometheus_client import Counter
+from yarl import URL
 
+from proxy.errors import BadJSON, BodyTooLarge, RankError, RankTimeout, StaleConnection, TooLarge
 from proxy.fields import MAX_DEPTH
+from proxy.rankclient import RankClient, RankResponse
 
 log = logging.getLogger("ftproxy.peers")
 
 LOG_EVERY_S = 60.0
 
-
-class TooLarge(ValueError):
-    """A peer's answer, or one message of its stream, is over its bound."""
+# The proxy reads these answers itself, bounded as they are sent: it asks for
+# them uncompressed and never inflates one, so a bomb cannot inflate past its
+# bound before it is counted (a rank that compressed them failed every poll).
+_IDENTITY = CIMultiDictProxy(CIMultiDict({"Accept-Encoding": "identity"}))
 
 
 def parse_json(raw: bytes) -> Any:
     """``raw`` as JSON, None when it is empty (as aiohttp's ``json()`` reads
-    it); ValueError when it is not, or nests deeper than a client's body may
-    (:data:`proxy.fields.MAX_DEPTH`): what parses near the parser's own limit
-    raises RecursionError later, where it is compared or written out again
-    deeper in the stack (a rank's answer shown in /admin/ranks, a model list
-    passed on to a client)."""
+    it); :class:`~proxy.errors.BadJSON` (a ValueError) when it is not, or
+    nests deeper than a client's body may (:data:`proxy.fields.MAX_DEPTH`):
+    what parses near the parser's own limit raises RecursionError later,
+    where it is compared or written out again deeper in the stack (a rank's
+    answer shown in /admin/ranks, a model list passed on to a client)."""
     if not raw.strip():
         return None
     try:
         parsed = jsonlib.loads(raw)
     except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
+        raise BadJSON("JSON nested too deeply") from None
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise BadJSON(f"not JSON: {e}") from e
     if _nests_deeper(parsed, MAX_DEPTH):
-        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+        raise BadJSON(f"JSON nested deeper than {MAX_DEPTH} levels")
     return parsed
 
 
@@ -111,73 +120,101 @@ class Answer:
     body: bytes
 
     def json(self) -> Any:
-        """The body as JSON (ValueError when it is not)."""
-        return parse_json(self.body)
+        """The body as JSON; :class:`~proxy.errors.BadJSON`, with this
+        answer's status, when it is not."""
+        try:
+            return parse_json(self.body)
+        except BadJSON as e:
+            e.status = self.status
+            raise
 
 
 async def fetch(
-    session: aiohttp.ClientSession,
+    client: RankClient,
     method: str,
     url: str,
     bound: Bound,
-    *,
-    json: Any = None,
-    headers: dict[str, str] | None = None,
+    body: bytes = b"",
+    headers: MultiMapping[str] = _IDENTITY,
 ) -> Answer:
-    """One request, its answer read whole within the bound."""
-    timeout = aiohttp.ClientTimeout(total=bound.within_s)
-    async with session.request(method, url, json=json, headers=headers, timeout=timeout) as r:
-        return Answer(r.status, await read_body(r, bound))
+    """One request, its answer read whole within ``bound.within_s`` from
+    connect to the last byte; a failure after the head carries its status
+    (:attr:`~proxy.errors.RankError.status`)."""
+    status: int | None = None
+    try:
+        async with asyncio.timeout(bound.within_s):
+            resp = await send(client, method, url, headers, body)
+            try:
+                status = resp.status
+                return Answer(resp.status, await read_body(resp, bound, url))
+            finally:
+                resp.close()  # pooled when read to its end, else closed
+    except RankError as e:
+        e.status = status
+        raise
+    except TimeoutError as e:
+        late = RankTimeout(f"{bound.peer} answer not in within {bound.within_s:g}s")
+        late.status = status
+        raise late from e
 
 
-async def read_body(r: aiohttp.ClientResponse, bound: Bound) -> bytes:
-    """The body of ``r``, read a chunk at a time up to ``bound.max_bytes``."""
-    if r.content_length is not None and r.content_length > bound.max_bytes:
-        r.close()
-        raise bound.refuse(str(r.url), f"Content-Length {r.content_length}")
-    body = bytearray()
-    async for chunk in r.content.iter_any():
-        body += chunk
-        if len(body) > bound.max_bytes:
-            r.close()
-            raise bound.refuse(str(r.url), f"{len(body)} bytes in")
-    return bytes(body)
+async def send(
+    client: RankClient, method: str, url: str, headers: MultiMapping[str], body: bytes
+) -> RankResponse:
+    """The request sent, its head read."""
+    try:
+        return await client.request(method, URL(url), headers, body)
+    except StaleConnection:
+        # The peer had closed the pooled connection as it was reused: nothing
+        # was answered, so once more on a new one, as the relay does.
+        return await client.request(method, URL(url), headers, body, fresh=True)
+
+
+async def read_body(resp: RankResponse, bound: Bound, url: str) -> bytes:
+    """The body, refused (counted, logged) as soon as it is over the bound:
+    at once when its Content-Length says so; the rest is never read."""
+    if resp.content_length > bound.max_bytes:
+        resp.close()
+        raise bound.refuse(url, f"Content-Length {resp.content_length}")
+    try:
+        return await resp.read(bound.max_bytes)
+    except BodyTooLarge as e:
+        raise bound.refuse(url, f"over {bound.max_bytes} bytes sent") from e
 
 
 @contextlib.asynccontextmanager
 async def stream(
-    session: aiohttp.ClientSession,
+    client: RankClient,
     url: str,
     bound: Bound,
-    *,
-    json: Any = None,
-    headers: dict[str, str] | None = None,
-) -> AsyncIterator[aiohttp.ClientResponse]:
+    body: bytes,
+    headers: MultiMapping[str],
+) -> AsyncIterator[RankResponse]:
     """A POST whose answer is a stream meant to stay open: its head must be in
-    within ``bound.within_s``; read it with :func:`lines`."""
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=bound.within_s)
-    async with contextlib.AsyncExitStack() as stack:
-        async with asyncio.timeout(bound.within_s):
-            r = await stack.enter_async_context(
-                session.post(url, json=json, headers=headers, timeout=timeout)
-            )
-        yield r
+    within ``bound.within_s``; read it with :func:`lines`. Closed on exit."""
+    async with asyncio.timeout(bound.within_s):
+        resp = await send(client, "POST", url, headers, body)
+    try:
+        yield resp
+    finally:
+        resp.close()
 
 
-async def lines(r: aiohttp.ClientResponse, bound: Bound) -> AsyncIterator[bytes]:
+async def lines(r: RankResponse, bound: Bound, url: str) -> AsyncIterator[bytes]:
     """The lines of a stream that may idle between them, without their line
     ends. A line over ``bound.max_bytes`` raises TooLarge, one whose rest is
     not in within ``bound.within_s`` of its first byte TimeoutError; the
     stream's end ends the lines (a line cut by it is dropped)."""
     loop = asyncio.get_running_loop()
+    chunks = aiter(r.chunks())
     pending = bytearray()
     deadline = 0.0
     while True:
         if pending:  # a line has begun: its rest is due by the deadline
             async with asyncio.timeout_at(deadline):
-                chunk = await r.content.readany()
+                chunk = await anext(chunks, b"")
         else:
-            chunk = await r.content.readany()
+            chunk = await anext(chunks, b"")
         if not chunk:
             return
         began, start, scan = not pending, 0, len(pending)  # what is pending has no line end
@@ -190,7 +227,7 @@ async def lines(r: aiohttp.ClientResponse, bound: Bound) -> AsyncIterator[bytes]
             began = True
         if len(pending) - start > bound.max_bytes:  # a line ended past it, or one still coming
             r.close()
-            raise bound.refuse(str(r.url), f"a line of over {bound.max_bytes} bytes")
+            raise bound.refuse(url, f"a line of over {bound.max_bytes} bytes")
         del pending[:start]
         if pending and began:
             deadline = loop.time() + bound.within_s

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from proxy import logs
-from proxy.settings import ConfigError, load_settings
+from proxy.settings import ConfigError, Settings, load_settings
 
 EXIT_CONFIG = 2
 
@@ -87,11 +89,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if workers > 1:
         from proxy import supervisor
 
-        return supervisor.serve(settings, args.config, workers)
+        return supervisor.serve(settings, args.config, workers, _worker)
     from proxy.server import serve_forever
 
     with contextlib.suppress(KeyboardInterrupt):
         _run(serve_forever(settings, args.config))
+    return 0
+
+
+def _worker(settings: Settings, config_path: Path | None, sock: socket.socket, run: Path) -> int:
+    """One forked worker of ``--workers N``: the app on the shared socket."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    from proxy.coordination import for_settings
+    from proxy.server import serve_forever
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve_forever(settings, config_path, sock, for_settings(settings, run)))
     return 0
 
 

@@ -177,3 +177,93 @@ def error_body(
     message: str, type_: str, code: str, param: str | None = None
 ) -> dict[str, dict[str, str | None]]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+"""Failures at the boundary to the ranks (proxy.rankclient, proxy.upstream).
+
+Every request to a rank (the relay's, a continuation's, a side request, a
+status poll, a recovery call, a model list) fails with one of these, mapped
+once where the bytes are read or the connection is made, the way httpx's
+transport maps its own: callers catch :class:`RankError`, never aiohttp's,
+``OSError`` or ``ConnectionError``. None is answered to a client as is: the
+relay turns them into a retry or an :class:`UpstreamFailed`. A write to a
+client that left is :class:`ClientGone`, never one of these::
+
+    RankError               the rank could not be heard out
+    ├── ConnectFailed       no connection: refused, unreachable, DNS, TLS, connect_s
+    ├── PoolFull            every connection the rank may have stayed busy
+    ├── RankConnectionError the connection was lost during the answer
+    │   └── StaleConnection a pooled connection the rank had closed: resend
+    ├── RankTimeout         no whole answer within the call's deadline
+    │   └── ReadTimeout     the rank sent nothing for read_s
+    ├── BadResponse         bytes that are not HTTP (status line, headers, framing)
+    │   └── BadJSON         a side answer that is not JSON, or nests too deeply
+    └── BodyTooLarge        an answer read whole is over its reader's limit
+        └── TooLarge        a side answer over its bound (counted and logged)
+    ClientGone              a write to the client failed: it left
+"""
+
+
+class RankError(Exception):
+    """A request to a rank failed in transport: nothing usable was answered."""
+
+    # The answer's status when its head was in before the failure (a body
+    # over its bound, not JSON): callers report it beside the error.
+    status: int | None = None
+
+
+class ConnectFailed(RankError):
+    """No connection to the rank: nothing was sent, so it may go elsewhere."""
+
+
+class PoolFull(RankError):
+    """Every connection the rank may have is busy, and none came free in
+    time. Nothing was sent: the rank is busy, not down."""
+
+
+class RankConnectionError(RankError):
+    """The connection to the rank failed or was lost."""
+
+
+class StaleConnection(RankConnectionError):
+    """A pooled connection the rank had closed (its keep-alive ran out as it
+    was reused): nothing was answered, so the request may be sent again."""
+
+
+# A TimeoutError too: a hold's own deadline (asyncio.timeout) and a rank's
+# silence end a held stream the same way (proxy.holdopen).
+class RankTimeout(RankError, TimeoutError):
+    """The rank's whole answer did not come within the call's deadline."""
+
+
+class ReadTimeout(RankTimeout):
+    """The rank sent nothing for ``read_s`` during an answer."""
+
+
+class BadResponse(RankError):
+    """The rank answered bytes that are not HTTP (a status line, a header)."""
+
+
+# A ValueError too: etcd's answers (proxy.coordination) are parsed by the
+# same rule and their callers take a ValueError as an answer no one can read.
+class BadJSON(BadResponse, ValueError):
+    """An answer read for its JSON is not JSON, or nests deeper than a
+    client's body may (proxy.fields.MAX_DEPTH)."""
+
+
+class BodyTooLarge(RankError):
+    """An answer read whole is larger than its reader's limit. Not lost, so
+    not among the lost-answer errors (proxy.rankclient.BODY_ERRORS): it is an
+    answer not to keep."""
+
+
+class TooLarge(BodyTooLarge, ValueError):
+    """A peer's answer, or one message of its stream, is over its bound
+    (proxy.bounded.Bound): counted and logged."""
+
+
+# A ConnectionError still: what ends a request whose client left (the
+# handler's 499) goes on taking it as one; what it replaces is the flag that
+# told it apart from a rank's lost connection.
+class ClientGone(ConnectionResetError):
+    """A write to the client failed: it left. Nothing to hold or continue for."""

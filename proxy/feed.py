@@ -18,17 +18,18 @@ from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any, TypeVar
 
-import aiohttp
 from prometheus_client import Counter
 
 from engine_ext import protocol
 from proxy import feedmsg
-from proxy.bounded import Bound, fetch
+from proxy.bounded import Bound
+from proxy.errors import RankError
 from proxy.feedmsg import Sequencer
 from proxy.metrics import Metrics
 from proxy.ranks import Rank, RankStatus, RankTable, Source
 from proxy.settings import Limits, Timeouts
 from proxy.supervise import supervised
+from proxy.upstream import Upstream
 
 log = logging.getLogger("ftproxy.feed")
 
@@ -93,12 +94,12 @@ class Poller:
     def __init__(
         self,
         table: RankTable,
-        session: aiohttp.ClientSession,
+        upstream: Upstream,
         t: Timeouts,
         metrics: Metrics | None = None,
         limits: Limits | None = None,
     ) -> None:
-        self.table, self.session, self.t = table, session, t
+        self.table, self.upstream, self.t = table, upstream, t
         self.restarts = metrics.task_restarts if metrics is not None else None
         max_bytes = (limits or Limits()).max_status_bytes
         counter = metrics.too_large if metrics is not None else None
@@ -123,7 +124,7 @@ class Poller:
         sent_at = time.monotonic()  # an answer is at least as fresh as this
         try:
             status, detail = await self._read_status(rank)
-        except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError) as e:
+        except RankError as e:
             # A failure is known only now: stamped now, so it outranks every
             # answer before it and holds until a newer poll succeeds.
             reason = f"poll failed: {type(e).__name__}"
@@ -135,8 +136,7 @@ class Poller:
 
     async def _read_status(self, rank: Rank) -> tuple[RankStatus | str, dict[str, Any]]:
         if rank.name not in self._no_ft:
-            url = rank.url + "/fault_tolerance/status"
-            answer = await fetch(self.session, "GET", url, self.bound)
+            answer = await self.upstream.get(rank.url, "/fault_tolerance/status", self.bound)
             if answer.status == 200:
                 return summarize(answer.json())
             if answer.status != 404:
@@ -145,7 +145,7 @@ class Poller:
             log.info("rank %s has no FT endpoint; using /health", rank.name)
         # Its body is read too (and bounded): an answer cut short or too long
         # is a failed poll, whatever its status said.
-        answer = await fetch(self.session, "GET", rank.url + "/health", self.bound)
+        answer = await self.upstream.get(rank.url, "/health", self.bound)
         status = RankStatus.HEALTHY if answer.status == 200 else RankStatus.UNHEALTHY
         return status, {"http_status": answer.status}
 

@@ -33,9 +33,9 @@ from proxy import accesslog
 from proxy.accesslog import End
 from proxy.budget import CONTINUATIONS, StreamBudget
 from proxy.continuation import Book, Emit, Refusal, SpliceFailed
-from proxy.errors import ProxyError, error_body
+from proxy.errors import ClientGone, ProxyError, RankError, error_body
 from proxy.metrics import Metrics
-from proxy.rankclient import BODY_ERRORS, BadResponse, RankResponse
+from proxy.rankclient import BODY_ERRORS, RankResponse
 from proxy.ranks import Rank, RankStatus, Source, group_fault
 from proxy.relay import Attempt, Outbound, Relay
 from proxy.settings import Hold
@@ -83,7 +83,7 @@ async def _error_text(response: RankResponse) -> str:
     try:
         async with asyncio.timeout(ERROR_BODY_WAIT_S):
             raw = await response.read_at_most(ERROR_BODY_MAX)
-    except BODY_ERRORS:
+    except (RankError, TimeoutError):  # the rank's failure, or ERROR_BODY_WAIT_S
         raw = b""
     return raw.decode("utf-8", errors="replace")
 
@@ -146,7 +146,6 @@ class HeldStream:
         # Writes to the client under way (the pump's, a keepalive): while any
         # waits on the client, the rank is not read (see _check_stall).
         self.writing = 0
-        self.client_gone = False  # a write to the client failed: it left
         self.access = accesslog.current()
         self.continuations = 0
         self.hold_span: Span | None = None  # when tracing is on
@@ -234,9 +233,7 @@ class HeldStream:
                 outcome = await self._pump_awaiting(attempt, parser, handle)
             if outcome is not None:
                 return outcome
-        except BODY_ERRORS as e:
-            if self.client_gone:
-                raise  # nothing to hold or continue for a client that left
+        except BODY_ERRORS as e:  # a client that left (ClientGone) has nothing to hold for
             log.info("[%s] upstream %s lost: %r", self.out.request_id, attempt.rank.name, e)
         finally:
             attempt.response.close()
@@ -504,7 +501,7 @@ class HeldStream:
                 f"no rank could continue the stream within {self.cfg.timeout_s:.0f}s",
                 "hold_timeout",
             ) from e
-        except (ProxyError, ConnectionError, BadResponse) as e:
+        except (ProxyError, RankError) as e:
             return 503, str(e).encode()
         finally:
             accesslog.REQUEST_ID.reset(id_token)
@@ -677,9 +674,8 @@ class HeldStream:
         self.writing += 1
         try:
             await self.sink.write(data)
-        except (ConnectionError, aiohttp.ClientError):
-            self.client_gone = True  # the client's side failed, not the upstream's
-            raise
+        except (ConnectionError, aiohttp.ClientError) as e:
+            raise ClientGone(f"the client went away: {e!r}") from e
         finally:
             self._written()
 
@@ -688,17 +684,15 @@ class HeldStream:
         self._first_byte(data)
         try:
             return self.sink.write_now(data)
-        except ConnectionError:
-            self.client_gone = True
-            raise
+        except ConnectionError as e:
+            raise ClientGone(f"the client went away: {e!r}") from e
 
     async def _drain(self) -> None:
         self.writing += 1
         try:
             await self.sink.drain()
-        except (ConnectionError, aiohttp.ClientError):
-            self.client_gone = True
-            raise
+        except (ConnectionError, aiohttp.ClientError) as e:
+            raise ClientGone(f"the client went away: {e!r}") from e
         finally:
             self._written()
 

@@ -13,14 +13,35 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from proxy.ranks import RankTable
+
+class RankView(Protocol):
+    """What the gauges read of a rank (proxy.ranks.Rank). A shape, not an
+    import: telemetry sits below the rank table and knows none of it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def routable(self) -> bool: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def status_feed(self) -> str | None: ...
+    @property
+    def pushed_at(self) -> float: ...
+
+
+class Ranks(Protocol):
+    def __iter__(self) -> Iterator[RankView]: ...
+
 
 # How often a worker copies its table's in-flight counts into the shared files.
 SAMPLE_EVERY_S = 0.25
@@ -34,7 +55,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class _RankStatusCollector(Collector):
     """Reads the rank table at scrape time, so it can never go stale."""
 
-    def __init__(self, table: RankTable, in_flight: bool = True) -> None:
+    def __init__(self, table: Ranks, in_flight: bool = True) -> None:
         self.table = table
         self.in_flight = in_flight  # False: a multiprocess gauge has it
 
@@ -68,7 +89,7 @@ class _RankStatusCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, table: RankTable) -> None:
+    def __init__(self, table: Ranks) -> None:
         self.table = table
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()

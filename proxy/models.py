@@ -14,15 +14,14 @@ import asyncio
 import time
 from typing import Any
 
-import aiohttp
-
-from proxy.bounded import Bound, fetch
+from proxy.bounded import Bound
 from proxy.errors import NoHealthyRank
 from proxy.ranks import Rank, RankTable
+from proxy.upstream import Upstream
 
 
-async def _fetch(session: aiohttp.ClientSession, rank: Rank, bound: Bound) -> list[Any]:
-    answer = await fetch(session, "GET", rank.url + "/v1/models", bound)
+async def _fetch(upstream: Upstream, rank: Rank, bound: Bound) -> list[Any]:
+    answer = await upstream.get(rank.url, "/v1/models", bound)
     if answer.status != 200:
         return []
     body = answer.json()
@@ -30,10 +29,10 @@ async def _fetch(session: aiohttp.ClientSession, rank: Rank, bound: Bound) -> li
     return data if isinstance(data, list) else []
 
 
-async def gather(session: aiohttp.ClientSession, table: RankTable, bound: Bound) -> dict[str, Any]:
+async def gather(upstream: Upstream, table: RankTable, bound: Bound) -> dict[str, Any]:
     ranks = [r for r in table if r.routable]
     results = await asyncio.gather(
-        *(_fetch(session, r, bound) for r in ranks), return_exceptions=True
+        *(_fetch(upstream, r, bound) for r in ranks), return_exceptions=True
     )
     seen: dict[str, Any] = {}
     answered = False
@@ -52,16 +51,14 @@ async def gather(session: aiohttp.ClientSession, table: RankTable, bound: Bound)
 RELEARN_S = 30.0
 
 
-async def learn(
-    session: aiohttp.ClientSession, table: RankTable, bound: Bound, every_s: float = 0.5
-) -> None:
+async def learn(upstream: Upstream, table: RankTable, bound: Bound, every_s: float = 0.5) -> None:
     while True:
         now = time.monotonic()
         due = [
             r for r in table if r.reachable and (r.models is None or now - r.models_at > RELEARN_S)
         ]
         results = await asyncio.gather(
-            *(_fetch(session, r, bound) for r in due), return_exceptions=True
+            *(_fetch(upstream, r, bound) for r in due), return_exceptions=True
         )
         changed = False
         for rank, result in zip(due, results, strict=True):

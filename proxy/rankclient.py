@@ -8,8 +8,10 @@ client is an :class:`asyncio.Protocol` on httptools (llhttp, the parser
 aiohttp uses too): bytes in, one parser call, body chunks straight into the
 response, and a pool of keep-alive connections per rank.
 
-Only the relay uses it; status polls, model lists and recovery calls keep
-their aiohttp session (they are few).
+Every request to a rank goes through it (proxy.upstream.Upstream: the
+relay's, and the proxy's own side requests), and every transport failure
+leaves it as one of :mod:`proxy.errors`' RankError tree, mapped here where
+the connection is made and the bytes are read.
 """
 
 from __future__ import annotations
@@ -21,8 +23,18 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import NoReturn, cast
 
 import httptools
-from multidict import CIMultiDict
+from multidict import MultiMapping
 from yarl import URL
+
+from proxy.errors import (
+    BadResponse,
+    BodyTooLarge,
+    ConnectFailed,
+    PoolFull,
+    RankConnectionError,
+    ReadTimeout,
+    StaleConnection,
+)
 
 # Unread body a response may buffer before the rank's socket stops being read
 # (backpressure from a slow client reaches the rank, as with aiohttp).
@@ -35,33 +47,6 @@ _HIGH_WATER = 64 * 1024
 MAX_HEAD = 64 * 1024
 
 
-class RankConnectionError(ConnectionError):
-    """The connection to the rank failed or was lost."""
-
-
-class StaleConnection(RankConnectionError):
-    """A pooled connection the rank had closed (its keep-alive ran out as it
-    was reused): nothing was answered, so the request may be sent again."""
-
-
-class PoolFull(Exception):
-    """Every connection the rank may have is busy, and none came free in
-    time. Nothing was sent: the rank is busy, not down."""
-
-
-class BadResponse(Exception):
-    """The rank answered bytes that are not HTTP (a status line, a header)."""
-
-
-class ReadTimeout(TimeoutError):
-    """The rank sent nothing for ``read_s`` during an answer."""
-
-
-class BodyTooLarge(Exception):
-    """An answer read whole is larger than its reader's limit. Not one of
-    :data:`BODY_ERRORS`: the answer was not lost, it is one not to keep."""
-
-
 # A 101 answer (a protocol switch nobody asked for) raises HttpParserUpgrade,
 # which is no HttpParserError: uncaught, it escaped data_received, the loop
 # logged a fatal transport error and the answer read as a lost connection
@@ -69,7 +54,7 @@ class BodyTooLarge(Exception):
 _PARSE_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)
 
 # What reading an answer's body may raise: the answer is lost.
-BODY_ERRORS = (TimeoutError, ConnectionError, BadResponse)
+BODY_ERRORS = (RankConnectionError, ReadTimeout, BadResponse)
 
 
 _Key = tuple[str, int, bool]  # host, port, TLS
@@ -225,30 +210,29 @@ class _Conn(asyncio.Protocol):
         self.transport.write(data)
 
     def _arm_read(self) -> None:
-        self.read_handle = self.pool.loop.call_at(
-            self.last_read + self.pool.read_s, self._read_check
-        )
+        if (read_s := self.pool.read_s) is not None:  # None: the caller bounds its time
+            self.read_handle = self.pool.loop.call_at(self.last_read + read_s, self._read_check)
 
     def _read_check(self) -> None:
         """Re-armed from the last read rather than reset on every read: one
         timer per ``read_s``, not one per chunk."""
         self.read_handle = None
-        resp = self.response
-        if resp is None or resp.complete:
+        resp, read_s = self.response, self.pool.read_s
+        if resp is None or resp.complete or read_s is None:
             return
         if resp._paused:
             # The socket is not read (a reader slower than the rank): the
             # rank cannot be heard, so nor judged silent. Judged from the resume.
-            self.read_handle = self.pool.loop.call_later(self.pool.read_s, self._read_check)
+            self.read_handle = self.pool.loop.call_later(read_s, self._read_check)
             return
         now = self.pool.loop.time()
-        if now - self.last_read >= self.pool.read_s:
-            resp._fail(ReadTimeout(f"the rank sent nothing for {self.pool.read_s:g}s"))
+        if now - self.last_read >= read_s:
+            resp._fail(ReadTimeout(f"the rank sent nothing for {read_s:g}s"))
             self.close()
-        elif not resp.status and now - self.first_read >= self.pool.read_s:
+        elif not resp.status and now - self.first_read >= read_s:
             # A head is sent at once; one dripped a byte at a time kept the
             # silence timer from ever firing (found within 2 * read_s).
-            resp._fail(ReadTimeout(f"the rank's answer head took over {self.pool.read_s:g}s"))
+            resp._fail(ReadTimeout(f"the rank's answer head took over {read_s:g}s"))
             self.close()
         else:
             self._arm_read()
@@ -384,6 +368,13 @@ class RankResponse:
         return None
 
     @property
+    def content_length(self) -> int:
+        """The answer's Content-Length; 0 when it has none (or a bad one: the
+        parser refused that already)."""
+        value = self.header(b"content-length")
+        return int(value) if value is not None and value.strip().isdigit() else 0
+
+    @property
     def content_type(self) -> str:
         for n, v in self._raw_headers:
             if n.lower() == b"content-type":
@@ -438,7 +429,7 @@ class RankResponse:
         """The whole body. Over ``limit`` bytes (as announced, or as read so
         far): :class:`BodyTooLarge`, and the connection closes (the rest is
         never read)."""
-        if limit is not None and _declared_length(self) > limit:
+        if limit is not None and self.content_length > limit:
             self._too_large(limit)
         if self.complete and self._exc is None:  # all in already: no iterator
             data = self._take_buffered() if self._buf else b""
@@ -495,12 +486,14 @@ class RankClient:
     """Keep-alive connections to ranks, at most ``per_rank`` each (0: no
     limit); an idle one is closed after ``idle_s``, before vLLM closes it
     (5 s), so a reused connection is rarely one the rank already dropped.
-    A request waits up to ``slot_s`` for a connection to come free."""
+    A request waits up to ``slot_s`` for a connection to come free.
+    ``read_s`` None: no silence limit, for a peer whose stream idles between
+    messages (etcd's watch) and whose calls each have their own deadline."""
 
     def __init__(
         self,
         connect_s: float,
-        read_s: float,
+        read_s: float | None,
         idle_s: float,
         per_rank: int = 0,
         tls: ssl_module.SSLContext | bool = True,
@@ -518,7 +511,7 @@ class RankClient:
         self._all: set[_Conn] = set()
 
     async def request(
-        self, method: str, url: URL, headers: CIMultiDict[str], body: bytes, fresh: bool = False
+        self, method: str, url: URL, headers: MultiMapping[str], body: bytes, fresh: bool = False
     ) -> RankResponse:
         """Send and wait for the status line and headers. ``fresh``: on a new
         connection, never a pooled one. Raises :class:`StaleConnection` when
@@ -561,6 +554,12 @@ class RankClient:
                     ssl=ctx,
                     server_hostname=host if tls else None,
                 )
+        except TimeoutError as e:  # before OSError: it is one
+            self._freed(key)
+            raise ConnectFailed(f"no connection to the rank within {self.connect_s:g}s") from e
+        except OSError as e:  # refused, unreachable, a name that does not resolve, TLS
+            self._freed(key)
+            raise ConnectFailed(f"cannot connect to the rank: {e!r}") from e
         except BaseException:
             self._freed(key)
             raise
@@ -652,13 +651,6 @@ def _frames_a_body(status: int, raw: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-def _declared_length(resp: RankResponse) -> int:
-    """The answer's Content-Length; 0 when it has none (or a bad one: the
-    parser refused that already)."""
-    value = resp.header(b"content-length")
-    return int(value) if value is not None and value.strip().isdigit() else 0
-
-
 def _client_context(tls: ssl_module.SSLContext | bool) -> ssl_module.SSLContext:
     if isinstance(tls, ssl_module.SSLContext):
         return tls
@@ -669,7 +661,7 @@ def _client_context(tls: ssl_module.SSLContext | bool) -> ssl_module.SSLContext:
     return ctx
 
 
-def _encode(method: str, url: URL, host: str, headers: CIMultiDict[str], body: bytes) -> bytes:
+def _encode(method: str, url: URL, host: str, headers: MultiMapping[str], body: bytes) -> bytes:
     """The request head and body in one buffer: one write, one segment."""
     target = url.raw_path_qs or "/"
     host_header = host if url.is_default_port() else f"{host}:{url.port}"

@@ -30,14 +30,13 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import aiohttp
-
-from proxy.bounded import Bound, parse_json, read_body
-from proxy.errors import ProxyError, RoundInProgress
+from proxy.bounded import Bound
+from proxy.errors import ProxyError, RankError, RoundInProgress
 from proxy.metrics import Metrics
 from proxy.ranks import Rank, RankStatus, RankTable
 from proxy.retry import RetryPolicy
 from proxy.settings import Settings
+from proxy.upstream import Upstream
 
 log = logging.getLogger("ftproxy.recovery")
 
@@ -135,9 +134,9 @@ class ActiveRound:
 
 class Recovery:
     def __init__(
-        self, table: RankTable, session: aiohttp.ClientSession, settings: Settings, metrics: Metrics
+        self, table: RankTable, upstream: Upstream, settings: Settings, metrics: Metrics
     ) -> None:
-        self.table, self.session, self.settings, self.metrics = table, session, settings, metrics
+        self.table, self.upstream, self.settings, self.metrics = table, upstream, settings, metrics
         self._rounds: dict[str, ActiveRound] = {}
         # A rank's apply answer is as small as its status.
         limit, within_s = settings.limits.max_status_bytes, settings.timeouts.poll_timeout_s * 5
@@ -288,13 +287,14 @@ class Recovery:
         )
 
     async def _apply(self, rank: Rank, body: dict[str, Any], rr: RankReport) -> None:
-        url = rank.url + "/fault_tolerance/apply"
-        timeout = aiohttp.ClientTimeout(total=self._answers.within_s)
         try:
-            async with self.session.post(url, json=body, timeout=timeout) as r:
-                rr.http_status = r.status  # kept when the body is not read
-                answer = parse_json(await read_body(r, self._answers))
-        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            reply = await self.upstream.post_json(
+                rank.url, "/fault_tolerance/apply", body, self._answers
+            )
+            rr.http_status = reply.status
+            answer = reply.json()
+        except RankError as e:
+            rr.http_status = e.status  # kept when the body was not read
             rr.error = f"{type(e).__name__}: {e}"
             return
         rr.sent = rr.http_status == 202

@@ -20,19 +20,19 @@ from multidict import CIMultiDict
 from proxy import accesslog
 from proxy.accesslog import End
 from proxy.balancer import SmoothWeightedBalancer
-from proxy.errors import NoHealthyRank, UpstreamFailed
-from proxy.metrics import Metrics
-from proxy.rankclient import (
-    BODY_ERRORS,
+from proxy.errors import (
     BadResponse,
     BodyTooLarge,
+    NoHealthyRank,
     PoolFull,
-    RankClient,
-    RankConnectionError,
-    RankResponse,
+    RankError,
+    RankTimeout,
     ReadTimeout,
     StaleConnection,
+    UpstreamFailed,
 )
+from proxy.metrics import Metrics
+from proxy.rankclient import BODY_ERRORS, RankClient, RankResponse
 from proxy.ranks import Rank, RankStatus, RankTable, Source
 from proxy.settings import Settings
 from proxy.sink import Reply
@@ -41,13 +41,6 @@ from proxy.tracing import Tracing
 from proxy.upstream import response_headers
 
 log = logging.getLogger("ftproxy.relay")
-
-# Errors that mean "this rank did not take the request": safe to send elsewhere.
-_CONNECT_ERRORS = (asyncio.TimeoutError, OSError)
-# What reading a rank's answer raises when it is lost: the rank's failure.
-# (BODY_ERRORS less a client's: writing to a client that left raises a
-# ConnectionResetError, which is the client's.)
-_ANSWER_LOST = (RankConnectionError, ReadTimeout, BadResponse)
 
 
 @dataclass
@@ -180,15 +173,6 @@ class Relay:
                 )
                 out.sent += 1
                 resp = await self.client.request(out.method, url, out.headers, out.body, fresh=True)
-        except _CONNECT_ERRORS as e:
-            failures.append(f"{rank.name}: {type(e).__name__}")
-            self.metrics.upstream_errors.labels(rank.name, "connect").inc()
-            # Passive signal: stop routing here until a poll or push says otherwise.
-            self.table.observe(
-                rank.name, None, Source.RELAY, reachable=False, reason=f"request failed: {e}"
-            )
-            log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
-            return None
         except PoolFull as e:
             # Busy, not down: try another, and leave it routable.
             failures.append(f"{rank.name}: {e}")
@@ -201,6 +185,15 @@ class Relay:
             failures.append(f"{rank.name}: {type(e).__name__}")
             self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
             log.warning("[%s] rank %s sent a malformed answer: %r", out.request_id, rank.name, e)
+            return None
+        except RankError as e:  # no connection, or lost before the head: this rank did not take it
+            failures.append(f"{rank.name}: {type(e).__name__}")
+            self.metrics.upstream_errors.labels(rank.name, "connect").inc()
+            # Passive signal: stop routing here until a poll or push says otherwise.
+            self.table.observe(
+                rank.name, None, Source.RELAY, reachable=False, reason=f"request failed: {e}"
+            )
+            log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
             return None
         if 300 <= resp.status < 400 and resp.status != 304:
             # vLLM redirects no path the proxy forwards; passed on, the
@@ -305,8 +298,7 @@ class Relay:
                 return await up.read(limit)
             # read_s bounds each silence; this, the whole: vLLM sends a whole
             # answer at once, so a body still coming after read_s is a drip.
-            async with asyncio.timeout(self.settings.timeouts.read_s):
-                return await up.read(limit)
+            return await _read_within(up, limit, self.settings.timeouts.read_s)
         except BodyTooLarge as e:
             self.metrics.upstream_errors.labels(attempt.rank.name, "body_too_large").inc()
             log.warning(
@@ -355,7 +347,7 @@ class Relay:
                         rec.first_byte()
                         rec = None
                     await sink.write(chunk)
-            except _ANSWER_LOST as e:
+            except BODY_ERRORS as e:  # the rank's; a client's failed write goes on up
                 self._lost_mid_stream(attempt, e)
                 reply.abort()  # no last chunk: the client cannot take it as complete
                 return
@@ -374,3 +366,15 @@ class Relay:
         log.warning("[%s] rank %s: the stream was lost; the client's is cut: %r", rid, name, e)
         if (rec := accesslog.current()) is not None:
             rec.end = End.UPSTREAM_ERROR
+
+
+async def _read_within(up: RankResponse, limit: int, within_s: float) -> bytes:
+    """The whole body within ``within_s``: a drip is the rank's failure
+    (:class:`ReadTimeout`), as a silence is."""
+    try:
+        async with asyncio.timeout(within_s):
+            return await up.read(limit)
+    except TimeoutError as e:
+        if isinstance(e, RankTimeout):
+            raise
+        raise ReadTimeout(f"the rank's answer took over {within_s:g}s") from e

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 
 from proxy.accesslog import AccessLog
@@ -17,6 +16,7 @@ from proxy.recovery import Recovery
 from proxy.relay import Relay
 from proxy.settings import Settings
 from proxy.tracing import Tracing
+from proxy.upstream import Upstream
 
 # None: the access log is off.
 ACCESS_LOG: web.AppKey[AccessLog | None] = web.AppKey("access_log")
@@ -25,7 +25,8 @@ TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")
 SETTINGS = web.AppKey("settings", Settings)
 TABLE = web.AppKey("table", RankTable)
 METRICS = web.AppKey("metrics", Metrics)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
+# Every connection to the ranks (the relay's and the side requests').
+UPSTREAM = web.AppKey("upstream", Upstream)
 RELAY = web.AppKey("relay", Relay)
 RECOVERY = web.AppKey("recovery", Recovery)
 # How much of a rank's /v1/models is read (proxy.models).

@@ -26,6 +26,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -36,9 +37,18 @@ log = logging.getLogger("ftproxy.supervisor")
 RESTART_MIN_INTERVAL_S = 1.0
 
 
+# What a forked worker runs, and its exit code: the app, given the shared
+# listening socket and the run directory (the CLI passes it in; the supervisor
+# forks and restarts processes and knows nothing of what they serve).
+Worker = Callable[[Settings, Path | None, socket.socket, Path], int]
+
+
 class Supervisor:
-    def __init__(self, settings: Settings, config_path: Path | None, workers: int) -> None:
+    def __init__(
+        self, settings: Settings, config_path: Path | None, workers: int, worker: Worker
+    ) -> None:
         self.settings, self.config_path, self.n = settings, config_path, workers
+        self.worker = worker
         self.run_dir = Path(tempfile.mkdtemp(prefix="ftproxy-"))
         self.pids: dict[int, int] = {}  # pid -> slot
         self.started: dict[int, float] = {}  # slot -> when its worker last started
@@ -124,7 +134,7 @@ class Supervisor:
             return
         code = 1
         try:
-            code = _worker(self.settings, self.config_path, self.sock, self.run_dir)
+            code = self.worker(self.settings, self.config_path, self.sock, self.run_dir)
         except BaseException:  # a child must never return into the parent's code
             log.exception("worker %d failed", slot)
         finally:
@@ -133,24 +143,6 @@ class Supervisor:
             accesslog.flush_all()  # os._exit skips atexit: a crashed worker's last lines too
             logging.shutdown()
             os._exit(code)
-
-
-def _worker(settings: Settings, config_path: Path | None, sock: socket.socket, run: Path) -> int:
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-    import asyncio
-
-    from proxy.coordination import for_settings
-    from proxy.server import serve_forever
-
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve_forever(settings, config_path, sock, for_settings(settings, run)))
-    return 0
 
 
 def _mark_dead(pid: int) -> None:
@@ -166,7 +158,7 @@ def _describe(status: int) -> str:
     return f"exit code {os.waitstatus_to_exitcode(status)}"
 
 
-def serve(settings: Settings, config_path: Path | None, workers: int) -> int:
+def serve(settings: Settings, config_path: Path | None, workers: int, worker: Worker) -> int:
     if sys.platform == "win32":  # pragma: no cover
         raise SystemExit("--workers needs fork (Linux, macOS)")
-    return Supervisor(settings, config_path, workers).run()
+    return Supervisor(settings, config_path, workers, worker).run()

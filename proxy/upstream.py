@@ -1,16 +1,25 @@
-"""Where the proxy's HTTP clients to ranks are made, and header hygiene.
+"""The proxy's one boundary to its ranks, and header hygiene.
 
-Upstream only sends and closes; which rank to use is the balancer's call.
+:class:`Upstream` owns every connection to a rank, with its timeouts, TLS,
+size bounds and keep-alive: the relay's client requests and their
+continuations (:attr:`Upstream.relay`), and the proxy's own side requests
+(status polls, ``/health``, model lists, recovery calls) through
+:meth:`Upstream.get` and :meth:`Upstream.post_json`, each read whole within
+its :class:`~proxy.bounded.Bound` in size, time and JSON depth. Every
+transport failure is a :class:`~proxy.errors.RankError`. Upstream only
+sends and reads; which rank to use is the balancer's call.
 """
 
 from __future__ import annotations
 
+import json as jsonlib
 import ssl
 from collections.abc import Iterable, Mapping
+from typing import Any
 
-import aiohttp
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.bounded import Answer, Bound, fetch
 from proxy.rankclient import RankClient
 from proxy.settings import Timeouts
 
@@ -43,43 +52,41 @@ def make_rank_client(
     """The relay's client for client requests (and their continuations):
     ``per_rank`` connections per rank at most, idle ones closed after
     ``upstream_idle_s``; a request waits for a free one as long as for a
-    healthy rank (``queue_s``). ``tls``: for https:// ranks, as for
-    :func:`make_session`. Must be called with the loop running."""
+    healthy rank (``queue_s``). ``tls``: for https:// ranks
+    (proxy.tls.UpstreamTLS.context: a context, True for the system's, False
+    to encrypt without verifying). Must be called with the loop running."""
     return RankClient(t.connect_s, t.read_s, t.upstream_idle_s, per_rank, tls, t.queue_s)
 
 
-def make_session(
-    t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True
-) -> aiohttp.ClientSession:
-    """The session for the proxy's own calls to ranks (status polls, model
-    lists, recovery): ``per_rank`` connections per rank at most, idle ones
-    closed after ``upstream_idle_s``. ``tls``: for https:// ranks
-    (proxy.tls.UpstreamTLS.context: a context, True for the system's, False
-    to encrypt without verifying)."""
-    connector = aiohttp.TCPConnector(
-        limit=0,
-        limit_per_host=per_rank,
-        keepalive_timeout=t.upstream_idle_s,
-        ssl=tls,
-        ttl_dns_cache=300,
-        enable_cleanup_closed=True,
-    )
-    # sock_connect, not connect: waiting for a free pooled connection is not a
-    # rank failing to accept one.
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.read_s)
-    # The proxy reads these answers itself, bounded as they are sent
-    # (proxy.bounded): it asks for them uncompressed and never inflates one,
-    # so a bomb cannot inflate past its bound before it is counted. aiohttp
-    # offers gzip unless told otherwise, and a rank that took the offer
-    # failed every poll.
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,
-        trust_env=False,
-        headers={"Accept-Encoding": "identity"},
-        cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies of its own
-    )
+# Answers are asked for uncompressed (proxy.bounded), whatever is sent.
+_JSON = CIMultiDictProxy(
+    CIMultiDict({"Accept-Encoding": "identity", "Content-Type": "application/json"})
+)
+
+
+class Upstream:
+    """Every connection to the ranks. Must be made with the loop running.
+
+    Side requests have a pool of their own, with the same bounds: streams
+    may hold each of a rank's ``per_rank`` relay connections for minutes, and
+    a status poll queued behind them would read as the rank down."""
+
+    def __init__(self, t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True) -> None:
+        self.relay = make_rank_client(t, per_rank, tls)
+        self.side = make_rank_client(t, per_rank, tls)
+
+    async def get(self, rank_url: str, path: str, bound: Bound) -> Answer:
+        """``GET path`` of the rank, its answer read whole within ``bound``."""
+        return await fetch(self.side, "GET", rank_url + path, bound)
+
+    async def post_json(self, rank_url: str, path: str, body: Any, bound: Bound) -> Answer:
+        """``POST path`` of the rank with ``body`` as JSON, as :meth:`get`."""
+        raw = jsonlib.dumps(body).encode()
+        return await fetch(self.side, "POST", rank_url + path, bound, raw, _JSON)
+
+    async def close(self) -> None:
+        await self.relay.close()
+        await self.side.close()
 
 
 def request_headers(

@@ -24,7 +24,7 @@ from proxy.feedmsg import Dropped, Sequencer, parse
 from proxy.metrics import Metrics
 from proxy.ranks import RankStatus, RankTable
 from proxy.settings import Settings, Timeouts
-from proxy.upstream import make_session
+from proxy.upstream import Upstream
 
 
 def good(
@@ -205,8 +205,9 @@ async def test_poller_turns_every_bad_answer_into_not_routable(status_server) ->
     settings = Settings(groups=[{"name": "g", "ranks": [{"name": "r", "url": status_server.url}]}])
     table = RankTable(settings.groups)
     t = Timeouts(poll_timeout_s=0.2)
-    async with make_session(t) as session:
-        poller = Poller(table, session, t)
+    upstream = Upstream(t)
+    try:
+        poller = Poller(table, upstream, t)
         rank = table.ranks["r"]
         for mode in ("500", "html", "truncated", "deep", "shape", "slow"):
             status_server.mode = "ok"
@@ -216,6 +217,8 @@ async def test_poller_turns_every_bad_answer_into_not_routable(status_server) ->
             await poller.poll_once(rank)
             assert not rank.routable, mode
             assert rank.unroutable_reason, mode
+    finally:
+        await upstream.close()
 
 
 async def test_a_task_that_dies_is_logged_counted_and_restarted(monkeypatch, caplog) -> None:

@@ -126,7 +126,7 @@ async def test_a_status_answer_that_drips_fails_its_poll_in_time(oversized, fake
     table = p.app[TABLE]
     a.drip.add("/fault_tolerance/status")
     assert await table.wait_for(lambda: not table.ranks["a"].reachable, 1.5)
-    assert table.ranks["a"].reason == "poll failed: TimeoutError"
+    assert table.ranks["a"].reason == "poll failed: RankTimeout"
     a.drip.clear()
     assert await table.wait_for(lambda: table.ranks["a"].routable, 2)
 
@@ -222,7 +222,7 @@ async def test_json_nested_past_the_bound_is_no_answer_and_never_a_500(fakes, pr
                 b'{"engines":[{"status":"healthy","x":' + nested(depth) + b"}]}"
             )
             assert await table.wait_for(
-                lambda: table.ranks["a"].reason == "poll failed: ValueError", 2
+                lambda: table.ranks["a"].reason == "poll failed: BadJSON", 2
             ), depth
             async with http.get(p.url + "/admin/ranks", headers=auth) as r:
                 assert r.status == 200, (depth, await r.text())

@@ -70,7 +70,7 @@ async def test_a_hung_api_server_is_not_routable_within_two_polls(fakes, proxy, 
     t0 = time.monotonic()
     assert await table.wait_for(lambda: not table.ranks["a"].routable, 2 * interval + 0.1)
     assert time.monotonic() - t0 <= 2 * interval + 0.1
-    assert "poll failed: TimeoutError" in str(table.ranks["a"].unroutable_reason)
+    assert "poll failed: RankTimeout" in str(table.ranks["a"].unroutable_reason)
     for _ in range(6):
         async with http.post(p.url + "/v1/completions", json={"prompt": "x"}) as r:
             assert r.status == 200

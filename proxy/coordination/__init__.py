@@ -53,7 +53,7 @@ class Coordination:
         self.recovery: Recovery | None = None
 
     def attach(self, recovery: Recovery) -> None:
-        """The process's round runner (made with the app's client session)."""
+        """The process's round runner (made with the app's upstream)."""
         self.recovery = recovery
 
     # -- rounds: here, in this process ------------------------------------------

@@ -1,7 +1,7 @@
 """etcd: one recovery driver, one round per group, shared weights, any scale.
 
 Spoken over etcd's v3 JSON gateway (``/v3/kv/*``, ``/v3/lease/*``) with the
-aiohttp client the proxy already has: no extra dependency, no gRPC stack, and
+HTTP client the proxy already has for its ranks: no extra dependency, no gRPC stack, and
 the few calls below are all it needs. Keys under ``prefix``:
 
 ``leader/<group>``        one process's id, on its lease: it alone starts

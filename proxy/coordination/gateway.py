@@ -29,23 +29,26 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
+from multidict import CIMultiDict
 from prometheus_client import Counter
 
 from proxy.bounded import Bound, fetch, lines, parse_json, read_body, stream
-from proxy.errors import EtcdError
+from proxy.errors import EtcdError, RankError
+from proxy.rankclient import RankClient
 from proxy.settings import EtcdConfig
 
 log = logging.getLogger("ftproxy.coordination")
 
 LOG_EVERY_S = 60.0
 _INT = re.compile(r"-?[0-9]{1,20}")  # int64 fields: JSON strings in the gateway's mapping
+# Idle connections to etcd are closed after this long.
+_IDLE_S = 15.0
 
 
 # What one endpoint's answer may raise: all of it fails the call there, and
 # the next endpoint is asked (an HTTP error included: a member cut off from
 # its cluster answers 503 while the others serve).
-_FAILURES = (EtcdError, aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError)
+_FAILURES = (EtcdError, RankError, TimeoutError, ValueError, TypeError)
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class Client:
         self.cfg = cfg
         self.junk = junk or Junk()
         self.bound = Bound("etcd", cfg.max_answer_bytes, cfg.timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._client: RankClient | None = None
         self._token: str | None = None
         # The endpoint that answered last is asked first: one that never
         # answers would cost every call timeout_s, and a tick of a few calls
@@ -151,9 +154,9 @@ class Client:
         self.junk.skipped, self.bound.counter = skipped, too_large
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None  # a restarted coordinator opens a new one
+        if self._client is not None:
+            await self._client.close()
+            self._client = None  # a restarted coordinator opens a new one
 
     def _ssl(self) -> ssl.SSLContext | None:
         if not any(u.startswith("https://") for u in self.cfg.endpoints):
@@ -164,17 +167,15 @@ class Client:
             ctx.load_cert_chain(str(self.cfg.cert_file), key)
         return ctx
 
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(ssl=self._ssl() or True)
-            # Bytes as etcd sent them: a compressed answer is bounded as sent,
-            # never inflated past the bound first.
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                headers={"Accept-Encoding": "identity"},
-            )
-        return self._session
+    def _open(self) -> RankClient:
+        """The same client as the ranks' (plain HTTP/1.1 and JSON, bounded
+        by :mod:`proxy.bounded`). No silence limit of its own: each call has
+        its deadline (``timeout_s``), and the watch stream idles between
+        changes for as long as nothing changes."""
+        if self._client is None:
+            timeout = self.cfg.timeout_s
+            self._client = RankClient(timeout, None, _IDLE_S, tls=self._ssl() or True)
+        return self._client
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self._open()
@@ -191,12 +192,12 @@ class Client:
 
     async def _auth(self, endpoint: str) -> dict[str, str]:
         """The headers a call needs (logs in first when etcd auth is on)."""
-        session = self._open()
+        client = self._open()
         if self.cfg.username and self._token is None:
             password = self.cfg.password.get_secret_value() if self.cfg.password else ""
             login = {"name": self.cfg.username, "password": password}
             url = endpoint + "/v3/auth/authenticate"
-            reply = await fetch(session, "POST", url, self.bound, json=login)
+            reply = await fetch(client, "POST", url, self.bound, _json(login), _headers())
             answer = reply.json()
             token = answer.get("token") if isinstance(answer, dict) else None
             if reply.status != 200 or not isinstance(token, str) or not token:
@@ -205,9 +206,9 @@ class Client:
         return {"Authorization": self._token} if self._token else {}
 
     async def _post(self, endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        headers = await self._auth(endpoint)
+        headers = _headers(await self._auth(endpoint))
         url = endpoint + path
-        reply = await fetch(self._open(), "POST", url, self.bound, json=body, headers=headers)
+        reply = await fetch(self._open(), "POST", url, self.bound, _json(body), headers)
         if reply.status == 401 and self._token:
             self._token = None  # expired: log in again next time
         if reply.status != 200:
@@ -220,21 +221,21 @@ class Client:
         anything may have changed (the watch was created, or a message or an
         event of it could not be read). Ends with EtcdError when the stream
         breaks, is cancelled, or sends a message over the bound or cut short."""
-        session = self._open()
-        body = {"create_request": {"key": b64(prefix), "range_end": prefix_end(prefix)}}
+        client = self._open()
+        body = _json({"create_request": {"key": b64(prefix), "range_end": prefix_end(prefix)}})
         last: Exception | None = None
         for index, endpoint in self._endpoints():
             try:
-                headers = await self._auth(endpoint)
+                headers = _headers(await self._auth(endpoint))
                 url = endpoint + "/v3/watch"
                 # The stream idles between changes; a dead etcd closes it, and
                 # the lease ticks notice it meanwhile.
-                async with stream(session, url, self.bound, json=body, headers=headers) as r:
+                async with stream(client, url, self.bound, body, headers) as r:
                     if r.status != 200:
-                        answer = await read_body(r, self.bound)
+                        answer = await read_body(r, self.bound, url)
                         raise EtcdError(f"etcd /v3/watch: HTTP {r.status}: {answer[:200]!r}")
                     self._first = index
-                    async for line in lines(r, self.bound):
+                    async for line in lines(r, self.bound, url):
                         keys = self._watched(line) if line.strip() else []
                         if keys != []:  # [] : a message that changed nothing
                             yield keys
@@ -367,6 +368,18 @@ class Client:
 
     async def revoke(self, lease: str) -> None:
         await self.call("/v3/lease/revoke", {"ID": lease})
+
+
+def _json(body: Any) -> bytes:
+    return json.dumps(body).encode()
+
+
+def _headers(auth: dict[str, str] | None = None) -> CIMultiDict[str]:
+    """A call's headers. Bytes as etcd sent them: a compressed answer is
+    bounded as sent, never inflated past the bound first."""
+    headers = CIMultiDict({"Accept-Encoding": "identity", "Content-Type": "application/json"})
+    headers.update(auth or {})
+    return headers
 
 
 def _json64(value: Any) -> str:
