@@ -22,7 +22,7 @@ from proxy.inbound import read_body
 from proxy.ranks import RankTable
 from proxy.recovery import Outcome, RoundReport, RoundSpec, Trigger
 from proxy.settings import ConfigError, load_settings
-from proxy.state import CONFIG_PATH, LISTENER_TLS, SETTINGS, TABLE
+from proxy.state import CONFIG_PATH, LISTENER_TLS, RELAY, SETTINGS, TABLE
 from proxy.tls import ListenerTLS
 
 log = logging.getLogger("ftproxy.admin")
@@ -116,7 +116,12 @@ def _report_response(report: RoundReport) -> web.Response:
 
 
 async def ranks(request: web.Request) -> web.Response:
-    return web.json_response({"ranks": [r.snapshot() for r in request.app[TABLE]]})
+    entries = [r.snapshot() for r in request.app[TABLE]]
+    if (router := request.app[RELAY].router) is not None:
+        sizes = router.sizes()  # cache-aware routing: each rank's prefix index
+        for entry in entries:
+            entry["prefix_index_blocks"] = sizes.get(entry["name"], 0)
+    return web.json_response({"ranks": entries})
 
 
 async def patch_rank(request: web.Request) -> web.Response:

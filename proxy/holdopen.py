@@ -428,6 +428,8 @@ class HeldStream:
             self.out.request_id,
             max_sent=self.budget.sends_left(),
             model=self.out.model,
+            route=self.relay.route_key(body, self.out.headers),
+            prefer=self.rank.name if self.rank is not None else None,
         )
 
     async def _send_continuation(self, out: Outbound, remaining: float) -> Attempt | None:
