@@ -101,7 +101,8 @@ async def test_cache_aware_near_ideal_and_beats_round_robin(
     p, run = await start(fakes, proxy, CACHE_AWARE)
     aware = await turns(http, p.url, run, 1, TURNS)
     assert aware >= 0.8, f"cache-aware reached {aware:.2f} of the ideal hit rate"
-    assert most_taken(run) <= 0.4
+    assert most_taken(run) <= 0.4, most_taken(run)
+    print(f"most taken by one rank: {most_taken(run):.0%}")
 
     p, baseline_run = await start(fakes, proxy, {"policy": "weighted"})
     baseline = await turns(http, p.url, baseline_run, 1, TURNS)
@@ -127,7 +128,8 @@ async def test_a_fault_moves_conversations_and_keeps_the_hits(
     assert len(down.received) == taken_before  # its conversations went to the others
     print(f"after a fault on {down.name}: {after:.2f} of the ideal hit rate")
     assert after >= 0.6, f"after the fault: {after:.2f} of the ideal hit rate"
-    assert most_taken(run) <= 0.4
+    assert most_taken(run) <= 0.4, most_taken(run)
+    print(f"most taken by one rank: {most_taken(run):.0%}")
     # Its index is kept while it is out of rotation.
     async with http.get(p.url + "/admin/ranks", headers=ADMIN) as r:
         sizes = {e["name"]: e["prefix_index_blocks"] for e in (await r.json())["ranks"]}
