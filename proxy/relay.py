@@ -159,12 +159,7 @@ class Relay:
             if attempt.response.status < 500 or self._last_try(tried, out):
                 if (rec := accesslog.current()) is not None:
                     rec.served_by(rank.name, rank.group)
-                if (
-                    self.router is not None
-                    and out.route is not None
-                    and attempt.response.status < 400
-                ):
-                    self.router.record(rank.name, out.route)
+                self._learn(rank, out, attempt.response.status)
                 return attempt
             failures.append(f"{rank.name}: HTTP {attempt.response.status}")
             self.metrics.upstream_errors.labels(rank.name, "http_5xx").inc()
@@ -269,6 +264,11 @@ class Relay:
         # A rank that failed is taken again only when no other is back: it
         # was out of rotation, and a newer poll or push brought it back.
         return self._choose(serving, tried, out) or self._choose(serving, frozenset(), out)
+
+    def _learn(self, rank: Rank, out: Outbound, status: int) -> None:
+        """A rank that took a prompt has it cached now (cache-aware routing)."""
+        if self.router is not None and out.route is not None and status < 400:
+            self.router.record(rank.name, out.route)
 
     def _choose(self, ranks: list[Rank], tried: frozenset[str], out: Outbound) -> Rank | None:
         """The policy's pick (proxy.balancer, proxy.prefix), counted."""
