@@ -22,7 +22,7 @@ from proxy.ranks import RankTable
 from proxy.recovery import Outcome, RoundReport, RoundSpec, Trigger
 from proxy.routes import Request, Response, Route, json_response
 from proxy.settings import ConfigError, load_settings
-from proxy.state import CONFIG_PATH, LISTENER_TLS, SETTINGS, TABLE
+from proxy.state import CONFIG_PATH, LISTENER_TLS, RELAY, SETTINGS, TABLE
 from proxy.tls import ListenerTLS
 
 log = logging.getLogger("ftproxy.admin")
@@ -111,7 +111,12 @@ def _report_response(report: RoundReport) -> Response:
 
 
 async def ranks(request: Request) -> Response:
-    return json_response({"ranks": [r.snapshot() for r in request.app[TABLE]]})
+    entries = [r.snapshot() for r in request.app[TABLE]]
+    if (router := request.app[RELAY].router) is not None:
+        sizes = router.sizes()  # cache-aware routing: each rank's prefix index
+        for entry in entries:
+            entry["prefix_index_blocks"] = sizes.get(entry["name"], 0)
+    return json_response({"ranks": entries})
 
 
 async def patch_rank(request: Request) -> Response:

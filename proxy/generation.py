@@ -46,6 +46,7 @@ async def forward(
     relay: Relay, reply: Reply, out: Outbound, kind: str, body: dict[str, Any]
 ) -> None:
     book = Book.for_request(kind, body)
+    out.route = relay.route_key(body, out.headers)
     asked = as_bool(body.get("return_token_ids"))
     if (rec := accesslog.current()) is not None and (asked or not _echoes(kind, body)):
         rec.tokens = partial(_tokens, book)  # else no ids to count

@@ -388,7 +388,7 @@ class HeldStream:
             )
         # The hold runs on while this waits: its time left is the deadline.
         async for _ in CONTINUATIONS.attempts(deadline=time.monotonic() + self._hold_left()):
-            if (remaining := self._hold_left()) <= 0:
+            if self._hold_left() <= 0:
                 break
             if self.budget.sends_left() == 0:
                 raise StreamFailed(self.budget.exceeded(), "budget_exceeded")
@@ -399,6 +399,9 @@ class HeldStream:
                 raise StreamFailed.inexact(e) from e
             if planned is None:
                 return None
+            # Read again: the side requests above may have taken most of the hold.
+            if (remaining := self._hold_left()) <= 0:
+                break
             try:
                 attempt = await self._send_continuation(self._continuation_out(*planned), remaining)
             except TimeoutError:
@@ -428,6 +431,8 @@ class HeldStream:
             self.out.request_id,
             max_sent=self.budget.sends_left(),
             model=self.out.model,
+            route=self.relay.route_key(body, self.out.headers),
+            prefer=self.rank.name if self.rank is not None else None,
         )
 
     async def _send_continuation(self, out: Outbound, remaining: float) -> Attempt | None:

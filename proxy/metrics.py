@@ -222,6 +222,25 @@ class Metrics:
             buckets=(0, 1, 2, 3, 5, 9, 17, 33),
             registry=r,
         )
+        self.route_decisions = Counter(
+            "ftproxy_route_decisions",
+            "Ranks picked for requests, by policy and reason (round_robin; cache_aware: "
+            "prefix, session, continuation, no_match, balance)",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.prefix_matched_blocks = Counter(
+            "ftproxy_prefix_matched_blocks",
+            "Prompt blocks the cache-aware policy expected cached on the rank it picked",
+            ["rank"],
+            registry=r,
+        )
+        self.prefix_blocks = Counter(
+            "ftproxy_prefix_blocks",
+            "Prompt blocks of the requests the cache-aware policy sent to the rank",
+            ["rank"],
+            registry=r,
+        )
         self.refusals = Counter(
             "ftproxy_refusals",
             "Requests the proxy answered with an error itself, by reason",

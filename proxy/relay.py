@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from multidict import CIMultiDict
 
@@ -32,6 +33,7 @@ from proxy.errors import (
     UpstreamFailed,
 )
 from proxy.metrics import Metrics
+from proxy.prefix import PrefixRouter, RouteKey, route_key
 from proxy.rankclient import BODY_ERRORS, RankClient, RankResponse
 from proxy.ranks import Rank, RankStatus, RankTable, Source
 from proxy.settings import Settings
@@ -56,6 +58,10 @@ class Outbound:
     max_sent: int | None = None  # a cap on them (a held stream's budget)
     # The request's `model`: only ranks serving it take it (and its continuations).
     model: str | None = None
+    # Cache-aware routing (proxy.prefix): the prompt's key, and the rank a
+    # continuation's request ran on.
+    route: RouteKey | None = None
+    prefer: str | None = None
 
     def may_send(self) -> bool:
         return self.max_sent is None or self.sent < self.max_sent
@@ -99,6 +105,12 @@ class Relay:
         self.table, self.client, self.metrics = table, client, metrics
         self.settings = settings
         self.balancer = SmoothWeightedBalancer()
+        routing = settings.routing
+        self.router = (
+            PrefixRouter(routing.cache_aware, self.balancer)
+            if routing.policy == "cache_aware"
+            else None
+        )
         self.waiting = 0  # requests waiting for a healthy rank (limits.max_queued)
         self.held = 0  # streams on hold now (limits.max_held_streams)
         self.tracing: Tracing | None = None  # set by the app when tracing is on
@@ -134,7 +146,7 @@ class Relay:
             if not out.may_send():
                 failures.append("no upstream request left in this request's budget")
                 break
-            rank = await self._pick(frozenset(tried), queue, out.model, failures)
+            rank = await self._pick(frozenset(tried), queue, out, failures)
             if rank is None:
                 break
             tried.add(rank.name)
@@ -147,6 +159,7 @@ class Relay:
             if attempt.response.status < 500 or self._last_try(tried, out):
                 if (rec := accesslog.current()) is not None:
                     rec.served_by(rank.name, rank.group)
+                self._learn(rank, out, attempt.response.status)
                 return attempt
             failures.append(f"{rank.name}: HTTP {attempt.response.status}")
             self.metrics.upstream_errors.labels(rank.name, "http_5xx").inc()
@@ -229,10 +242,17 @@ class Relay:
         others = any(r.routable and r.name not in tried for r in self.table.serving(out.model))
         return not others or not out.may_send()
 
+    def route_key(self, body: dict[str, Any], headers: Mapping[str, str]) -> RouteKey | None:
+        """A completion's or chat's key for cache-aware routing; None under ``weighted``."""
+        if self.router is None:
+            return None
+        return route_key(self.settings.routing.cache_aware, body, headers)
+
     async def _pick(
-        self, tried: frozenset[str], queue: Queue, model: str | None, failures: list[str]
+        self, tried: frozenset[str], queue: Queue, out: Outbound, failures: list[str]
     ) -> Rank | None:
-        rank = self.balancer.pick(self.table.serving(model), tried)
+        model = out.model
+        rank = self._choose(self.table.serving(model), tried, out)
         if rank is not None:
             return rank
         if tried and not self._fault_may_end(tried, model):
@@ -243,7 +263,28 @@ class Relay:
         serving = self.table.serving(model)
         # A rank that failed is taken again only when no other is back: it
         # was out of rotation, and a newer poll or push brought it back.
-        return self.balancer.pick(serving, tried) or self.balancer.pick(serving)
+        return self._choose(serving, tried, out) or self._choose(serving, frozenset(), out)
+
+    def _learn(self, rank: Rank, out: Outbound, status: int) -> None:
+        """A rank that took a prompt has it cached now (cache-aware routing)."""
+        if self.router is not None and out.route is not None and status < 400:
+            self.router.record(rank.name, out.route)
+
+    def _choose(self, ranks: list[Rank], tried: frozenset[str], out: Outbound) -> Rank | None:
+        """The policy's pick (proxy.balancer, proxy.prefix), counted."""
+        m = self.metrics
+        if self.router is None or out.route is None:
+            rank = self.balancer.pick(ranks, tried)
+            if rank is not None:
+                m.child(m.route_decisions, self.settings.routing.policy, "round_robin").inc()
+            return rank
+        choice = self.router.pick(ranks, tried, out.route, out.prefer)
+        if choice is None:
+            return None
+        m.child(m.route_decisions, "cache_aware", choice.reason).inc()
+        m.child(m.prefix_matched_blocks, choice.rank.name).inc(choice.matched)
+        m.child(m.prefix_blocks, choice.rank.name).inc(len(out.route.blocks))
+        return choice.rank
 
     def _fault_may_end(self, tried: frozenset[str], model: str | None) -> bool:
         """Whether a rank is out of rotation that a recovery or a poll brings

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from yarl import URL
 
@@ -170,12 +178,51 @@ class Limits(BaseModel):
     upstream_connections_per_rank: int = Field(8192, ge=1)
 
 
+class CacheAware(BaseModel):
+    """The cache-aware routing policy (proxy.prefix)."""
+
+    # A typo here would silently leave a default in force.
+    model_config = ConfigDict(extra="forbid")
+
+    # Tokens per block, as the engines' --block-size (vLLM's default 16): only
+    # whole blocks are cached, so only whole blocks are matched.
+    block_size: int = Field(16, ge=1, le=4096)
+    # Blocks remembered per rank (least recently used go first): with the
+    # default, ~1.6M tokens of prefixes a rank, a few MB of memory each.
+    max_blocks_per_rank: int = Field(100_000, ge=1)
+    # A rank whose load (in flight plus its picks among the last
+    # recent_window) is over its weighted share by more than this fraction
+    # and by more than balance_abs requests is skipped (SGLang's
+    # balance_rel_threshold and balance_abs_threshold).
+    balance_margin: float = Field(0.5, ge=0)
+    balance_abs: int = Field(4, ge=0)
+    recent_window: int = Field(64, ge=1)
+    # Stick a conversation to its rank while routable: "user" (the body's
+    # field) or "header:<name>"; None: prefixes alone decide.
+    session_key: str | None = None
+
+    @field_validator("session_key")
+    @classmethod
+    def _session_source(cls, v: str | None) -> str | None:
+        if v is None or v == "user":
+            return v
+        name = v.removeprefix("header:")
+        if name == v or not name or not all(c.isalnum() or c in "-_" for c in name):
+            raise ValueError('must be "user" or "header:<header name>", e.g. "header:X-Session-Id"')
+        return v
+
+
 class Routing(BaseModel):
-    """Which rank endpoints clients may call through the proxy (see proxy.target)."""
+    """Which rank endpoints clients may call through the proxy (see proxy.target),
+    and how a rank is picked for a request."""
 
     # "METHOD /path"; anything else is 404. Rank control, health and metrics
     # paths are refused here, whatever the config says.
     forward: list[str] = Field(default_factory=lambda: list(DEFAULT_FORWARD))
+    # weighted: smooth weighted round-robin (proxy.balancer); cache_aware:
+    # completions and chat go where their prompt's prefix is cached (proxy.prefix).
+    policy: Literal["weighted", "cache_aware"] = "weighted"
+    cache_aware: CacheAware = CacheAware()
 
     @field_validator("forward")
     @classmethod

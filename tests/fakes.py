@@ -69,6 +69,28 @@ def chat_prompt(messages: list[dict[str, Any]]) -> list[int]:
 
 
 @dataclass
+class PrefixCache:
+    """A prefix cache as vLLM's: whole blocks of prompt tokens, each block's
+    hash chained to the one before, never evicted; hits and queries counted
+    in tokens, as ``vllm:prefix_cache_hits`` and ``_queries`` are."""
+
+    block: int = 16
+    hits: int = 0
+    queries: int = 0
+    _cached: set[int] = field(default_factory=set)
+
+    def prefill(self, prompt: list[int]) -> None:
+        """Count the prompt's cached head, then cache its whole blocks."""
+        self.queries += len(prompt)
+        h, hit = 0, True
+        for i in range(len(prompt) // self.block):
+            h = hash((h, tuple(prompt[i * self.block : (i + 1) * self.block])))
+            hit = hit and h in self._cached
+            self.hits += self.block if hit else 0
+            self._cached.add(h)
+
+
+@dataclass
 class FakeRank:
     name: str = "fake"
     status: str = "healthy"
@@ -109,6 +131,9 @@ class FakeRank:
     # The first this many /detokenize calls answer 503 (an API server too busy).
     detokenize_fails: int = 0
     last_ft_request_id: str | None = None
+    # Every generation request's prompt goes through it (hit: its head of
+    # blocks this rank has prefilled before).
+    cache: PrefixCache = field(default_factory=PrefixCache)
     received: list[dict[str, Any]] = field(default_factory=list)
     # The W3C traceparent each generation request came with (None: none).
     traceparents: list[str | None] = field(default_factory=list)
@@ -290,6 +315,7 @@ class FakeRank:
             return web.Response(body=b"\xff\xfe not utf-8 \xc3", status=500,
                                 content_type="text/plain", charset="utf-8")  # fmt: skip
         await self._healthy.wait()  # a faulted engine holds new requests
+        self.cache.prefill(prompt)
         try:
             if as_bool(body.get("stream")):
                 return await self._stream(request, body, prompt, chat)

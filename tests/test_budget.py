@@ -9,9 +9,11 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from proxy.budget import CONTINUATIONS
 from tests.conftest import metric_when, replicas, settings_for
+from tests.fakes import FakeRank
 from tests.test_continuity import read_stream
 
 BUDGET = 3
@@ -91,6 +93,35 @@ async def test_a_hanging_continuation_ends_at_the_total_hold_budget(fakes, proxy
     assert error_of(chunks)["code"] == "budget_exceeded" and done
     assert time.monotonic() - t0 < 3.0
     assert len(a.received) <= 1 + BUDGET
+
+
+async def test_a_slow_side_request_leaves_the_continuation_only_the_hold_left(proxy, http) -> None:
+    # The /detokenize of the splice takes most of the hold; the continuation
+    # then hangs. It may wait only for what is left of the hold, not for the
+    # hold's time left as it was before the side request (which held the
+    # stream for up to twice timeout_s).
+    a = FakeRank(
+        name="a", token_delay_s=0.002, fault_after=5, auto_recover_s=0.01, then_mode="hang"
+    )
+    detokenize, slow_ones = a._detokenize, [2.0]
+
+    async def slow(request: web.Request) -> web.Response:
+        if slow_ones:  # only the first: the splice may ask more than once
+            await asyncio.sleep(slow_ones.pop())
+        return await detokenize(request)
+
+    a._detokenize = slow  # type: ignore[method-assign]  # before start: routes bind it
+    await a.start()
+    try:
+        p = await proxy(settings_for([a], hold={**HOLD, "timeout_s": 3.0}))
+        t0 = time.monotonic()
+        chunks, _, done = await read_stream(http, p.url, "/v1/completions", body())
+        took = time.monotonic() - t0
+        assert error_of(chunks)["code"] == "hold_timeout" and done
+        assert len(a.received) == 2  # the continuation was sent, and hung
+        assert took < 3.0 + 1.0, took  # about 5 s when the hold was stretched
+    finally:
+        await a.stop()
 
 
 async def test_many_streams_on_misbehaving_ranks_each_stay_within_the_budget(

@@ -128,3 +128,35 @@ async def test_reset_starts_the_backoff_over() -> None:
         if len(clock.slept) == 4:
             break
     assert clock.slept == [1.0, 2.0, 1.0, 2.0]
+
+
+async def _schedule(policy: RetryPolicy) -> tuple[list[float], list[float]]:
+    """(the ceilings, the floors) of the waits of a run that always fails."""
+    runs = []
+    for uniform in (high, low):
+        clock = Clock()
+        tries = policy.attempts(clock=clock, sleep=clock.sleep, uniform=uniform)
+        async for n in tries:
+            if n == 12:
+                break
+        runs.append(clock.slept)
+    return runs[0], runs[1]
+
+
+async def test_the_policies_in_use_keep_their_documented_numbers() -> None:
+    # The README and the modules' comments state these; tests elsewhere read
+    # the numbers from the policies themselves, so they would move with them.
+    from proxy.budget import CONTINUATIONS
+    from proxy.coordination.etcd import REPORT_RETRY, WATCH_RETRY
+    from proxy.supervise import HEALTHY_AFTER_S, RESTARTS
+
+    ceilings, floors = await _schedule(RESTARTS)  # 0.2 s doubling to 10 s, jittered
+    assert ceilings[:8] == pytest.approx([0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10.0, 10.0])
+    assert floors == pytest.approx([c / 2 for c in ceilings])
+    assert HEALTHY_AFTER_S == 60.0
+    ceilings, floors = await _schedule(CONTINUATIONS)  # 0.1 s doubling to 2 s, half to all
+    assert ceilings[:7] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0])
+    assert floors == pytest.approx([c / 2 for c in ceilings])
+    assert (await _schedule(WATCH_RETRY))[0] == pytest.approx([1.0] * 11)
+    waits, _ = await _schedule(REPORT_RETRY)  # 10 tries over about 11 s
+    assert len(waits) == 9 and sum(waits) == pytest.approx(11.0)
