@@ -37,6 +37,7 @@ from proxy.errors import ProxyShutdown, error_body, error_response
 from proxy.settings import Shutdown
 from proxy.sink import bodiless
 from proxy.sse import DONE, event
+from proxy.supervise import wait_event
 
 log = logging.getLogger("ftproxy.drain")
 
@@ -219,8 +220,7 @@ async def graceful_stop(runner: web.AppRunner, drain: Drain, cfg: Shutdown) -> N
     """The SIGTERM sequence; ends with the runner cleaned up."""
     drain.begin()
     log.info("draining: /ready is 503; still serving for %.1fs", cfg.ready_delay_s)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(drain.hurry.wait(), cfg.ready_delay_s)
+    await wait_event(drain.hurry, cfg.ready_delay_s)
     for site in list(runner.sites):
         await site.stop()
     log.info("listener closed; %d request(s) in flight get %.1fs", drain.in_flight, cfg.grace_s)
