@@ -37,6 +37,7 @@ from proxy.routes import Request, Response, Route, error_answer, json_response
 from proxy.settings import Shutdown
 from proxy.sink import bodiless
 from proxy.sse import DONE, event
+from proxy.supervise import wait_event
 
 log = logging.getLogger("ftproxy.drain")
 
@@ -178,8 +179,7 @@ async def graceful_stop(server: Server, drain: Drain, cfg: Shutdown) -> None:
     """The SIGTERM sequence; ends with the server cleaned up."""
     drain.begin()
     log.info("draining: /ready is 503; still serving for %.1fs", cfg.ready_delay_s)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(drain.hurry.wait(), cfg.ready_delay_s)
+    await wait_event(drain.hurry, cfg.ready_delay_s)
     await server.stop_listening()
     log.info("listener closed; %d request(s) in flight get %.1fs", drain.in_flight, cfg.grace_s)
     if not await drain.wait_idle(cfg.grace_s):

@@ -32,6 +32,7 @@ from enum import StrEnum
 from typing import Any
 
 from proxy.settings import GroupConfig
+from proxy.supervise import wait_event
 
 
 class RankStatus(StrEnum):
@@ -294,8 +295,6 @@ class RankTable:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
+            if not await wait_event(self._changed, remaining):
                 return predicate()
         return True

@@ -42,3 +42,20 @@ async def supervised(
             restarts.labels(name).inc()
         if time.monotonic() - started > HEALTHY_AFTER_S:
             runs.reset()
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Whether ``event`` is set within ``timeout_s``.
+
+    Not ``asyncio.wait_for``: in Python 3.11 it returns, swallowing the
+    cancellation, when the event is set in the loop iteration its task is
+    cancelled in (CPython gh-86296, fixed in 3.12). A loop cancelled so ran on
+    forever, and the app's shutdown waited for it: seen as an etcd
+    coordinator's teardown that never ended while junk keys woke it often.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True

@@ -69,7 +69,7 @@ from proxy.errors import EtcdError, RoundInProgress
 from proxy.recovery import Outcome, RankReport, Recovery, RoundReport, RoundSpec
 from proxy.retry import RetryPolicy
 from proxy.settings import EtcdConfig
-from proxy.supervise import supervised
+from proxy.supervise import supervised, wait_event
 
 __all__ = ["Client", "Etcd"]  # Client: the gateway's, for callers of this module
 
@@ -226,8 +226,7 @@ class Etcd(Coordination):
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), left)
+            await wait_event(self._wake, left)
 
     def _changed_all(self) -> None:
         """Anything may have changed (the watch began, or a message of it was
