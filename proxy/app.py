@@ -22,6 +22,7 @@ from proxy.errors import (
 )
 from proxy.feed import Poller, PushFeed
 from proxy.fields import check_fields
+from proxy.forward import parse_forward
 from proxy.inbound import check_api_key, read_json
 from proxy.limits import RequestLimit
 from proxy.metrics import SAMPLE_EVERY_S, Metrics
@@ -46,7 +47,6 @@ from proxy.state import (
     UPSTREAM,
 )
 from proxy.supervise import supervised
-from proxy.target import parse_forward
 from proxy.upstream import Upstream, request_headers
 
 log = logging.getLogger("ftproxy.app")

@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from yarl import URL
 
-from proxy.target import DEFAULT_FORWARD, parse_forward
+from proxy.forward import DEFAULT_FORWARD, parse_forward
 from proxy.tls import ListenerTLS, UpstreamTLS
 
 

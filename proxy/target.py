@@ -9,56 +9,17 @@ normalize to something else is refused with 400 rather than normalized, so no
 spelling of a path can mean another path to a later hop.
 
 Upstream, only an allow-list of serving endpoints is forwarded
-(``routing.forward``). The upstream URL is built from the rank's base URL and
-the allow-listed path itself, never from the client's bytes; the client's
-query string is not forwarded (no vLLM serving endpoint reads one).
+(``routing.forward``, checked by :mod:`proxy.forward`). The upstream URL is
+built from the rank's base URL and the allow-listed path itself, never from
+the client's bytes; the client's query string is not forwarded (no vLLM
+serving endpoint reads one).
 """
 
 from __future__ import annotations
 
-import re
-
 from yarl import URL
 
 from proxy.errors import InvalidTarget
-
-# The serving endpoints a client may use, as "METHOD /path".
-DEFAULT_FORWARD = (
-    "POST /v1/completions",
-    "POST /v1/chat/completions",
-    "POST /v1/embeddings",
-    "POST /v1/score",
-    "POST /v1/rerank",
-    "POST /tokenize",
-    "POST /detokenize",
-)
-
-# Rank endpoints that must never be reachable through the data plane: FT control,
-# health and metrics, and vLLM's development-mode control endpoints.
-FORBIDDEN_PREFIXES = (
-    "/fault_tolerance",
-    "/health",
-    "/metrics",
-    "/admin",
-    "/ping",
-    "/load",
-    "/version",
-    "/server_info",
-    "/reset_prefix_cache",
-    "/reset_mm_cache",
-    "/sleep",
-    "/wake_up",
-    "/is_sleeping",
-    "/collective_rpc",
-    "/start_profile",
-    "/stop_profile",
-    "/scale_elastic_ep",
-    "/is_scaling_elastic_ep",
-    "/pause",
-    "/resume",
-)
-FORWARD_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
-_CONFIG_PATH = re.compile(r"(?:/[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]+)*)+")
 
 # Bytes that may never appear percent-encoded in a path.
 _NO_ENCODED = frozenset(b"/\\.%") | frozenset(range(0x20)) | {0x7F}
@@ -95,21 +56,6 @@ def _check_escapes(part: str, in_path: bool) -> None:
         if not in_path and int(hexes, 16) == 0:
             raise InvalidTarget("the request query has an encoded NUL")
         i = part.find("%", i + 3)
-
-
-def parse_forward(entry: str) -> tuple[str, str]:
-    """``"POST /v1/completions"`` -> ``("POST", "/v1/completions")``; ValueError if unsafe."""
-    method, _, path = entry.strip().partition(" ")
-    path = path.strip()
-    if method not in FORWARD_METHODS:
-        raise ValueError(f"{entry!r}: method must be one of {', '.join(sorted(FORWARD_METHODS))}")
-    if not _CONFIG_PATH.fullmatch(path):
-        raise ValueError(f"{entry!r}: path must be /segments of letters, digits, _ - .")
-    if any(path == p or path.startswith(p + "/") for p in FORBIDDEN_PREFIXES):
-        raise ValueError(f"{entry!r}: a rank control, health or metrics path is never forwarded")
-    if path == "/v1/models":
-        raise ValueError(f"{entry!r}: /v1/models is answered by the proxy itself")
-    return method, path
 
 
 def upstream_url(base: str, path: str) -> URL:

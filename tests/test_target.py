@@ -10,8 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.errors import InvalidTarget
+from proxy.forward import parse_forward
 from proxy.settings import Settings
-from proxy.target import check_target, parse_forward, upstream_url
+from proxy.target import check_target, upstream_url
 from tests.conftest import settings_for
 
 # Each would reach /fault_tolerance/*, /health or another path by normalization.
