@@ -12,10 +12,11 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import accesslog, admin, coordination, drain, generation, models, tracing
+from proxy import accesslog, admin, drain, generation, models, tracing
 from proxy.accesslog import AccessLog
 from proxy.bounded import Bound
 from proxy.coordination import COORD, Coordination
+from proxy.coordination.backend import for_settings
 from proxy.drain import DRAIN, Drain
 from proxy.errors import (
     ModelNotFound,
@@ -237,7 +238,7 @@ def build_app(
     app[TABLE] = table = RankTable(settings.groups)
     app[METRICS] = Metrics(table)
     app[MODEL_LISTS] = _model_lists(settings, app[METRICS])
-    app[COORD] = coord if coord is not None else coordination.for_settings(settings)
+    app[COORD] = coord if coord is not None else for_settings(settings)
     app.cleanup_ctx.append(_upstream)
     app.cleanup_ctx.append(_background("coordination", _coordinate))
     if app[METRICS].multiprocess:

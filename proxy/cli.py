@@ -101,7 +101,7 @@ def _worker(settings: Settings, config_path: Path | None, sock: socket.socket, r
     """One forked worker of ``--workers N``: the app on the shared socket."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
-    from proxy.coordination import for_settings
+    from proxy.coordination.backend import for_settings
     from proxy.server import serve_forever
 
     try:

@@ -32,7 +32,6 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from proxy.recovery import Recovery, RoundReport, RoundSpec
-    from proxy.settings import Settings
 
 # How often a process polls shared weight overrides when its backend cannot
 # watch them (flock's file; well under the 1 s in which a PATCH must be in
@@ -119,19 +118,6 @@ class Coordination:
 
 
 Memory = Coordination
-
-
-def for_settings(settings: Settings, run_dir: Path | None = None) -> Coordination:
-    """etcd when configured; else flock with a run directory (workers); else memory."""
-    if settings.coordination.etcd is not None:
-        from proxy.coordination.etcd import Etcd
-
-        return Etcd(settings.coordination.etcd, [g.name for g in settings.groups])
-    if run_dir is not None:
-        from proxy.coordination.flock import FlockFile
-
-        return FlockFile(run_dir)
-    return Coordination()
 
 
 COORD = web.AppKey("coordination", Coordination)
