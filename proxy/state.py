@@ -1,37 +1,45 @@
-"""The app's typed state keys, shared by every module that reads them."""
+"""The app's typed state keys, shared by every module that reads them.
+
+The types are annotations only (``TYPE_CHECKING``): a key is a name, and
+importing this module must not import every component of the app, or each
+handler that reads one key would sit above all of them.
+"""
 
 from __future__ import annotations
 
-import ssl
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from proxy.accesslog import AccessLog
-from proxy.bounded import Bound
-from proxy.limits import RequestLimit
-from proxy.metrics import Metrics
-from proxy.ranks import RankTable
-from proxy.recovery import Recovery
-from proxy.relay import Relay
-from proxy.settings import Settings
-from proxy.tracing import Tracing
-from proxy.upstream import Upstream
+if TYPE_CHECKING:
+    import ssl
+    from pathlib import Path
+
+    from proxy.accesslog import AccessLog
+    from proxy.bounded import Bound
+    from proxy.limits import RequestLimit
+    from proxy.metrics import Metrics
+    from proxy.ranks import RankTable
+    from proxy.recovery import Recovery
+    from proxy.relay import Relay
+    from proxy.settings import Settings
+    from proxy.tracing import Tracing
+    from proxy.upstream import Upstream
 
 # None: the access log is off.
 ACCESS_LOG: web.AppKey[AccessLog | None] = web.AppKey("access_log")
 # None: tracing is off.
 TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")
-SETTINGS = web.AppKey("settings", Settings)
-TABLE = web.AppKey("table", RankTable)
-METRICS = web.AppKey("metrics", Metrics)
+SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
+TABLE: web.AppKey[RankTable] = web.AppKey("table")
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 # Every connection to the ranks (the relay's and the side requests').
-UPSTREAM = web.AppKey("upstream", Upstream)
-RELAY = web.AppKey("relay", Relay)
-RECOVERY = web.AppKey("recovery", Recovery)
+UPSTREAM: web.AppKey[Upstream] = web.AppKey("upstream")
+RELAY: web.AppKey[Relay] = web.AppKey("relay")
+RECOVERY: web.AppKey[Recovery] = web.AppKey("recovery")
 # How much of a rank's /v1/models is read (proxy.models).
-MODEL_LISTS = web.AppKey("model_lists", Bound)
-CONFIG_PATH = web.AppKey("config_path", Path)
-LIMIT = web.AppKey("limit", RequestLimit)
+MODEL_LISTS: web.AppKey[Bound] = web.AppKey("model_lists")
+CONFIG_PATH: web.AppKey[Path] = web.AppKey("config_path")
+LIMIT: web.AppKey[RequestLimit] = web.AppKey("limit")
 # The HTTPS listener's context, reloaded in place with the config (SIGHUP).
-LISTENER_TLS = web.AppKey("listener_tls", ssl.SSLContext)
+LISTENER_TLS: web.AppKey[ssl.SSLContext] = web.AppKey("listener_tls")
