@@ -10,8 +10,10 @@ get a burst. Only routable ranks (healthy, reachable, weight > 0) take part.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from proxy.ranks import Rank
+if TYPE_CHECKING:  # a rank is read, never made, here
+    from proxy.ranks import Rank
 
 
 class SmoothWeightedBalancer:

@@ -44,10 +44,12 @@ import json
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.balancer import SmoothWeightedBalancer
-from proxy.ranks import Rank
+
+if TYPE_CHECKING:  # a rank is read, never made, here
+    from proxy.ranks import Rank
 from proxy.settings import CacheAware
 
 # A token is about four characters of English text: a text block of
