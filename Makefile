@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m engine_ext.rig.demo
+	$(PY) -m rig.demo
 
 lint: setup
 	$(PY) -m ruff check .

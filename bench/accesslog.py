@@ -22,14 +22,14 @@ import time
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import accesslog
-from proxy.app import build_app
-from proxy.drain import InFlight
-from proxy.pipeline import Pipeline
-from proxy.routes import Request, Response, Route
-from proxy.settings import Settings
-from proxy.sink import Sink
-from proxy.state import ACCESS_LOG
+from proxy.core.settings import Settings
+from proxy.dataplane.sink import Sink
+from proxy.ingress.app import build_app
+from proxy.ingress.drain import InFlight
+from proxy.ingress.pipeline import Pipeline
+from proxy.ingress.routes import Request, Response, Route
+from proxy.ingress.state import ACCESS_LOG
+from proxy.telemetry import accesslog
 
 TARGET_US = 2.0
 

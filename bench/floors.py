@@ -3,7 +3,7 @@
 ``python -m bench.floors [--seconds S] [--reps N]``
 
 Two bare relays, both forwarding through ft-proxy's rank client
-(:mod:`proxy.rankclient`) and nothing else (no checks, access log, metrics,
+(:mod:`proxy.upstream.client`) and nothing else (no checks, access log, metrics,
 token bookkeeping): one on aiohttp's web server, one a plain asyncio protocol
 on httptools. They run beside ft-proxy in the relay benchmark's harness
 (:mod:`bench.relay`: same load, same checks of every answer, same pinning),
@@ -27,7 +27,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from bench import relay
-from proxy.rankclient import RankClient, RankResponse
+from proxy.upstream.client import RankClient, RankResponse
 
 _HOP = frozenset({"host", "content-length", "connection", "transfer-encoding"})
 

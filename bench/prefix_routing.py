@@ -46,7 +46,7 @@ from typing import Any
 
 import aiohttp
 
-from engine_ext.rig.launcher import SERVED_MODEL, Rig, RigConfig
+from rig.launcher import SERVED_MODEL, Rig, RigConfig
 
 POLICIES = ("weighted", "cache_aware")
 PHASES = ("before", "during", "after")
@@ -220,8 +220,8 @@ class Fault:
 
 
 async def run_policy(policy: str, running: list[Rig], opts: Options) -> dict[str, Any]:
+    from proxy.ingress.state import TABLE
     from proxy.server import start
-    from proxy.state import TABLE
 
     proxy = await start(proxy_settings(policy, running, opts))
     table = proxy.app[TABLE]
@@ -244,7 +244,7 @@ async def run_policy(policy: str, running: list[Rig], opts: Options) -> dict[str
 
 
 def proxy_settings(policy: str, running: list[Rig], opts: Options) -> Any:
-    from proxy.settings import Settings
+    from proxy.core.settings import Settings
 
     groups = [
         {
@@ -286,7 +286,7 @@ async def measured_turn(
 
 def answered(proxy: Any) -> dict[str, int]:
     """Requests the proxy counted as answered, by rank (ftproxy_requests_total)."""
-    from proxy.state import METRICS
+    from proxy.ingress.state import METRICS
 
     out: dict[str, int] = {}
     for family in proxy.app[METRICS].registry.collect():

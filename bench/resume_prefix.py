@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
-from engine_ext.rig.launcher import SERVED_MODEL, Rig, RigConfig
+from rig.launcher import SERVED_MODEL, Rig, RigConfig
 
 BLOCK = 32
 PROMPT = "Data parallel ranks share one model; each rank serves its own requests. " * 4

@@ -54,8 +54,8 @@ from bench.soak_answers import (
     is_sampled,
     soak_requests,
 )
-from engine_ext.rig.launcher import SERVED_MODEL, Rig, RigConfig
-from engine_ext.rig.model import VOCAB_SIZE
+from rig.launcher import SERVED_MODEL, Rig, RigConfig
+from rig.model import VOCAB_SIZE
 
 log = logging.getLogger("ftproxy.soak")
 
@@ -225,9 +225,9 @@ async def one_round(soak: Soak, round_no: int, steps: int) -> Round:
 async def run_mode(cfg: RigConfig, trigger: Path, faults: int, seed: int = 0) -> list[Round]:
     """``faults`` rounds against a running rig whose engines record their
     requests (``RigConfig.request_log``); its proxy is started here."""
+    from proxy.core.settings import Settings
+    from proxy.ingress.state import TABLE
     from proxy.server import start
-    from proxy.settings import Settings
-    from proxy.state import TABLE
 
     urls = [cfg.url(r) for r in range(cfg.ranks)]
     reqs = soak_requests(consistency.ascii_ids(cfg.model_dir), VOCAB_SIZE)

@@ -13,7 +13,7 @@ import aiohttp
 
 from bench.consistency import Seen
 from bench.oracle import Reference, first_difference, lost_and_extra
-from engine_ext.rig.launcher import SERVED_MODEL
+from rig.launcher import SERVED_MODEL
 
 MAX_TOKENS = 100
 PROMPTS = ["the proxy", "café au lait, naïve", "ranks and steps", "données → 数据", "streams"]

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from proxy.ranks import RankStatus
+from proxy.control.ranks import RankStatus
 
 _STATUS_STYLE = {
     RankStatus.HEALTHY: "green",

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from proxy import logs
-from proxy.settings import ConfigError, Settings, load_settings
+from proxy.core.settings import ConfigError, Settings, load_settings
+from proxy.telemetry import logformat
 
 EXIT_CONFIG = 2
 
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ft-proxy: invalid configuration: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    logs.configure(settings.logging.format, settings.log_level)
+    logformat.configure(settings.logging.format, settings.log_level)
     workers = args.workers if args.workers is not None else settings.workers
     if workers < 1:
         print("ft-proxy: --workers must be at least 1", file=sys.stderr)
@@ -101,7 +101,7 @@ def _worker(settings: Settings, config_path: Path | None, sock: socket.socket, r
     """One forked worker of ``--workers N``: the app on the shared socket."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
-    from proxy.coordination.backend import for_settings
+    from proxy.control.coordination.backend import for_settings
     from proxy.server import serve_forever
 
     try:

@@ -13,15 +13,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from proxy.admin import reload_config
-from proxy.app import build_app
-from proxy.coordination import Coordination
-from proxy.drain import DRAIN, Drain, graceful_stop
-from proxy.errors import ProxyError
-from proxy.pipeline import PIPELINE
-from proxy.protocol import Listener
-from proxy.settings import Settings
-from proxy.state import LISTENER_TLS, SETTINGS
+from proxy.control.coordination import Coordination
+from proxy.core.errors import ProxyError
+from proxy.core.settings import Settings
+from proxy.ingress.admin import reload_config
+from proxy.ingress.app import build_app
+from proxy.ingress.drain import DRAIN, Drain, graceful_stop
+from proxy.ingress.pipeline import PIPELINE
+from proxy.ingress.protocol import Listener
+from proxy.ingress.state import LISTENER_TLS, SETTINGS
 
 log = logging.getLogger("ftproxy.server")
 

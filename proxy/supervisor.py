@@ -10,7 +10,7 @@ loop and serves nothing itself; it:
   really closes once the workers have closed theirs;
 * gives the workers a run directory: prometheus-client's multiprocess files
   (``/metrics`` for the whole replica) and the ``flock`` that elects the one
-  worker leading recovery and the admin plane (proxy.coordination.flock).
+  worker leading recovery and the admin plane (proxy.control.coordination.flock).
 
 Each worker keeps its own rank table from the same polls and feeds.
 """
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from proxy.settings import Settings
+from proxy.core.settings import Settings
 
 log = logging.getLogger("ftproxy.supervisor")
 
@@ -138,7 +138,7 @@ class Supervisor:
         except BaseException:  # a child must never return into the parent's code
             log.exception("worker %d failed", slot)
         finally:
-            from proxy import accesslog  # loaded by the worker already
+            from proxy.telemetry import accesslog  # loaded by the worker already
 
             accesslog.flush_all()  # os._exit skips atexit: a crashed worker's last lines too
             logging.shutdown()

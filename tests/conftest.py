@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from proxy.ranks import RankTable
+from proxy.control.ranks import RankTable
+from proxy.core.settings import Settings
+from proxy.ingress.state import ACCESS_LOG
 from proxy.server import Running, start
-from proxy.settings import Settings
-from proxy.state import ACCESS_LOG
 from tests import optional
 from tests.fakes import FakeRank
 
@@ -100,7 +100,7 @@ async def proxy() -> AsyncIterator[Callable[[Settings], Awaitable[Running]]]:
         r = await start(settings)
         running.append(r)
         if wait_routable:
-            from proxy.state import TABLE
+            from proxy.ingress.state import TABLE
 
             table: RankTable = r.app[TABLE]
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from proxy.coordination.gateway import Client
+from proxy.control.coordination.gateway import Client
 from tests.conftest import free_port
 from tests.optional import unavailable
 

@@ -1,10 +1,10 @@
 """The hold-open relay loop without sockets, for property tests of the splice.
 
-Mirrors :class:`proxy.holdopen.HeldStream` event for event (the byte path for
+Mirrors :class:`proxy.dataplane.hold.HeldStream` event for event (the byte path for
 common chunks, the abort, a connection lost or a bare ``[DONE]`` during a
 fault, engine-side resume, the continuation's finish) and
-:func:`proxy.generation._whole` for whole answers (which start over where no
-splice is exact), driving the real :class:`~proxy.continuation.Book` against
+:func:`proxy.dataplane.generation._whole` for whole answers (which start over where no
+splice is exact), driving the real :class:`~proxy.dataplane.continuation.Book` against
 :mod:`tests.fake_engine`.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
-from proxy.continuation import CHAT, Book, SpliceFailed, refusal
-from proxy.generation import _assemble
+from proxy.dataplane.continuation import CHAT, Book, SpliceFailed, refusal
+from proxy.dataplane.generation import _assemble
 from tests.fake_engine import DONE, DROP, MAX_MODEL_LEN, PAUSE, Engine, Fault
 
 FINISHED, ABORTED = "finished", "aborted"

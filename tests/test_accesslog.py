@@ -15,13 +15,13 @@ from typing import Any
 
 import aiohttp
 
-from proxy import accesslog, logs
-from proxy.accesslog import AccessLog, AccessRecord, End
-from proxy.feed import PushFeed
-from proxy.metrics import Metrics
-from proxy.ranks import RankTable
-from proxy.settings import Settings, Timeouts
-from proxy.state import ACCESS_LOG, METRICS
+from proxy.control.feed import PushFeed
+from proxy.control.ranks import RankTable
+from proxy.core.settings import Settings, Timeouts
+from proxy.ingress.state import ACCESS_LOG, METRICS
+from proxy.telemetry import accesslog, logformat
+from proxy.telemetry.accesslog import AccessLog, AccessRecord, End
+from proxy.telemetry.metrics import Metrics
 from tests.conftest import capture_access_log as capture
 from tests.conftest import replicas, settings_for
 
@@ -127,7 +127,7 @@ def test_text_line_is_one_readable_line() -> None:
 def test_json_event_logs_carry_the_request_id() -> None:
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(logs.JsonFormatter())
+    handler.setFormatter(logformat.JsonFormatter())
     log = logging.getLogger("ftproxy.test")
     log.addHandler(handler)
     try:

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from proxy.state import METRICS, TABLE
+from proxy.ingress.state import METRICS, TABLE
 from tests.conftest import free_port, serve_process, settings_for
 
 TOKEN = "s3cret-admin"
@@ -200,8 +200,8 @@ def write_config(path: Path, ranks: list[tuple[str, str, int]]) -> None:
 
 
 async def test_reload_adds_removes_reweights_and_spares_streams(fakes, http, tmp_path) -> None:
+    from proxy.core.settings import load_settings
     from proxy.server import start
-    from proxy.settings import load_settings
 
     a, b = await fakes(name="a"), await fakes(name="b", token_delay_s=0.02)
     c = await fakes(name="c")

@@ -17,8 +17,8 @@ from bench import vllm_bytes as vb
 from bench.backend import Conn
 from bench.load import drive
 from bench.validate import Ask, Invalid, check_stream, check_whole, sse_payloads
+from proxy.core.settings import Settings
 from proxy.server import Running
-from proxy.settings import Settings
 
 ASKS = (Ask(20), Ask(20, ids=True, usage=True))
 

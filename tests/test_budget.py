@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.budget import CONTINUATIONS
+from proxy.dataplane.budget import CONTINUATIONS
 from tests.conftest import metric_when, replicas, settings_for
 from tests.fakes import FakeRank
 from tests.test_continuity import read_stream

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.ranks import RankTable, Source
-from proxy.settings import Settings
-from proxy.supervise import wait_event
+from proxy.control.ranks import RankTable, Source
+from proxy.core.settings import Settings
+from proxy.core.tasks import wait_event
 
 PROXY = Path(__file__).resolve().parent.parent / "proxy"
 
@@ -53,7 +53,7 @@ async def test_a_table_wait_is_cancelled_when_a_change_comes_in_the_same_iterati
 
 
 def test_no_module_uses_asyncio_wait_for() -> None:
-    """``proxy.supervise.wait_event`` (or ``asyncio.timeout``) instead."""
+    """``proxy.core.tasks.wait_event`` (or ``asyncio.timeout``) instead."""
     found = []
     for path in sorted(PROXY.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from proxy.settings import load_settings
+from proxy.core.settings import load_settings
 from tests.optional import unavailable
 
 

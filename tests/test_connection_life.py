@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
+from proxy.ingress.state import METRICS
 from proxy.server import Running
-from proxy.state import METRICS
 from tests.conftest import capture_access_log as capture
 from tests.conftest import settings_for
 from tests.test_raw_requests import BODY, STREAM, _Answers, both, exchange, head
@@ -276,7 +276,7 @@ async def test_the_request_limit_holds_on_the_lane(fakes, proxy) -> None:
 
 @pytest.mark.parametrize("when", ["before", "mid-stream"])
 async def test_a_bug_in_a_handler_is_answered_as_aiohttp_does(lanes, monkeypatch, when) -> None:
-    from proxy import generation
+    from proxy.dataplane import generation
 
     async def broken(relay: Any, reply: Any, *args: Any) -> None:
         if when == "mid-stream":
@@ -373,7 +373,7 @@ async def test_a_body_larger_than_the_pipelining_buffer_is_read_whole(
 ) -> None:
     """Only bytes after the request being answered wait for its answer: its
     own body, however large (within the body limit), is read as it comes."""
-    from proxy import protocol
+    from proxy.ingress import protocol
 
     monkeypatch.setattr(protocol, "_MAX_PENDING", 64 << 10)  # below the fake rank's body limit
     rank = await fakes(name="a")

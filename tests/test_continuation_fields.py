@@ -11,9 +11,9 @@ import openai
 import orjson
 import pytest
 
-from proxy.continuation import Book, SpliceFailed, refusal
-from proxy.continuation.fields import FIELDS, as_bool, readme_matrix
-from proxy.state import METRICS
+from proxy.dataplane.continuation import Book, SpliceFailed, refusal
+from proxy.dataplane.continuation.fields import FIELDS, as_bool, readme_matrix
+from proxy.ingress.state import METRICS
 from tests.conftest import settings_for
 from tests.fakes import MAX_MODEL_LEN, chat_prompt, detok, tokenize
 from tests.test_continuity import HOLD, completion, fault_free, finishes, read_stream, text_of

@@ -11,7 +11,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from proxy.state import METRICS
+from proxy.ingress.state import METRICS
 from tests.conftest import replicas, settings_for
 from tests.fakes import FakeRank, chat_prompt, detok, next_token, tokenize
 
@@ -267,7 +267,7 @@ def _chunk(ids: list[int], text: str, **extra: Any) -> dict[str, Any]:
 
 
 async def test_tokens_with_empty_text_are_not_dropped_at_the_splice() -> None:
-    from proxy.continuation import Book
+    from proxy.dataplane.continuation import Book
 
     book = Book.for_request("completion", {"prompt": "x", "max_tokens": 4,
                                            "return_token_ids": True})  # fmt: skip
@@ -278,7 +278,7 @@ async def test_tokens_with_empty_text_are_not_dropped_at_the_splice() -> None:
 
 
 async def test_greedy_splice_starts_at_the_last_whole_character() -> None:
-    from proxy.continuation import Book
+    from proxy.dataplane.continuation import Book
 
     book = Book.for_request(
         "completion", {"prompt": "x", "max_tokens": 10, "temperature": 0, "return_token_ids": True}
@@ -300,7 +300,7 @@ async def test_greedy_splice_starts_at_the_last_whole_character() -> None:
 async def test_merged_chunk_ending_inside_a_character_is_not_a_boundary() -> None:
     # "a" and the first byte of "€" arrive in one chunk that has text: the
     # chunk says nothing about where the character ends; the ids do.
-    from proxy.continuation import Book
+    from proxy.dataplane.continuation import Book
 
     book = Book.for_request("completion", {"prompt": "x", "max_tokens": 10, "temperature": 0})
     book.on_original(_chunk([1, 2], "a", prompt_token_ids=[9]))
@@ -333,7 +333,7 @@ async def test_a_peer_fault_holds_a_stalled_stream(fakes, proxy, http) -> None:
 
 
 def test_common_chunks_take_the_byte_path_and_match_the_parsed_one() -> None:
-    from proxy.continuation import Book
+    from proxy.dataplane.continuation import Book
 
     def chunk(i: int, text: str) -> bytes:
         return json.dumps({"id": "c", "object": "text_completion", "created": 1, "model": "m",
@@ -360,7 +360,7 @@ def test_common_chunks_take_the_byte_path_and_match_the_parsed_one() -> None:
 def _held_ab(temperature: float) -> Any:
     # vLLM holds "ab" back (it could start the stop string "abc"); the
     # connection is lost, so no abort chunk flushes it.
-    from proxy.continuation import Book
+    from proxy.dataplane.continuation import Book
 
     book = Book.for_request("completion", {
         "prompt": "x", "max_tokens": 10, "temperature": temperature, "stop": ["abc"],
@@ -402,7 +402,7 @@ async def test_a_stop_across_the_splice_in_a_merged_chunk_is_refused() -> None:
     # Sampled with ids: "c" completes "abc" across the splice, in a chunk of
     # two tokens; the one after the stop must not reach the client, and
     # which one it is cannot be told.
-    from proxy.continuation import SpliceFailed
+    from proxy.dataplane.continuation import SpliceFailed
 
     book = _held_ab(1.0)
     await book.continuation(_decode)
@@ -450,7 +450,7 @@ async def test_n_choices_cut_after_the_first_finished_is_not_a_clean_end(proxy, 
 
 
 def test_a_boundary_is_open_where_a_stop_string_could_start_unseen() -> None:
-    from proxy.continuation.splice import opens_stop
+    from proxy.dataplane.continuation.splice import opens_stop
 
     assert opens_stop("xab", "xab", ["abc"])  # "c" would complete it: vLLM sees "c" only
     assert opens_stop("xa", "xab", ["abc"])  # vLLM sees "bc", not the "a"
@@ -466,7 +466,7 @@ async def _engine_decode(ids: list[int]) -> str:
 
 
 def _sampled(kind: str, **body: Any) -> Any:
-    from proxy.continuation import Book
+    from proxy.dataplane.continuation import Book
 
     base = {"max_tokens": 10, "return_token_ids": True, **body}
     if kind == "chat":
@@ -492,7 +492,7 @@ async def test_a_sampled_stream_goes_on_after_the_tokens_its_abort_chunk_carried
     # ids and text of steps not yet sent ("bb"). The client has the ids, and
     # is owed their text: the boundary after them is the one to take, on
     # plain ASCII text, stop strings or not.
-    from proxy.continuation import text_of
+    from proxy.dataplane.continuation import text_of
 
     book = _sampled(kind, **({"stop": stop} if stop else {}))
     book.on_original(_piece(kind, [1], "a", prompt_token_ids=[4]))

@@ -10,9 +10,9 @@ from typing import Any
 
 import aiohttp
 
-from proxy import sink
-from proxy.rankclient import BadResponse
-from proxy.state import METRICS, RELAY, TABLE
+from proxy.dataplane import sink
+from proxy.ingress.state import METRICS, RELAY, TABLE
+from proxy.upstream.client import BadResponse
 from tests.conftest import FAST_POLL_S, metric_when, replicas, settings_for
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes_validate
 import yaml
 
-from proxy.settings import load_settings
+from proxy.core.settings import load_settings
 
 MANIFEST = Path(__file__).parent.parent / "deploy" / "kubernetes.yaml"
 

@@ -45,9 +45,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.continuation import refusal
-from proxy.ranks import RankTable
-from proxy.state import METRICS, RELAY, TABLE
+from proxy.control.ranks import RankTable
+from proxy.dataplane.continuation import refusal
+from proxy.ingress.state import METRICS, RELAY, TABLE
 from tests.conftest import replicas
 from tests.engine_rank import EngineRank, Faults
 from tests.fake_engine import (

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.drain import Drain
+from proxy.ingress.drain import Drain
 from tests.conftest import free_port, serve_process, settings_for
 
 LONG = {"prompt": "x", "max_tokens": 400, "stream": True}  # ~20 s at 50 ms a token

@@ -1,4 +1,4 @@
-"""The error tree: every ProxyError subclass lives in proxy/errors.py and has
+"""The error tree: every ProxyError subclass lives in proxy/core/errors.py and has
 its line, under its parent and with its status, in that module's docstring."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy import errors
-from proxy.errors import ProxyError
+from proxy.core import errors
+from proxy.core.errors import ProxyError
 
 PROXY = Path(errors.__file__).parent
 # A tree line: box-drawing prefix, the class name, its status (or "any").
@@ -42,7 +42,9 @@ def _tree(doc: str) -> dict[str, tuple[str | None, str]]:
 
 def _ours() -> list[type]:
     # Classes a test module defines (fakes) are not the product's.
-    return [c for c in [ProxyError, *_subclasses(ProxyError)] if c.__module__ == "proxy.errors"]
+    return [
+        c for c in [ProxyError, *_subclasses(ProxyError)] if c.__module__ == "proxy.core.errors"
+    ]
 
 
 def _unlisted(classes: list[type], doc: str) -> list[str]:
@@ -52,7 +54,7 @@ def _unlisted(classes: list[type], doc: str) -> list[str]:
 
 def test_docstring_tree_lists_every_error_class() -> None:
     missing = _unlisted(_ours(), errors.__doc__ or "")
-    assert not missing, f"add a line to proxy/errors.py's docstring tree for {missing}"
+    assert not missing, f"add a line to proxy/core/errors.py's docstring tree for {missing}"
     gone = set(_tree(errors.__doc__ or "")) - {c.__name__ for c in _ours()}
     assert not gone, f"the tree names classes that are gone: {gone}"
 
@@ -96,4 +98,4 @@ def test_no_error_class_outside_the_errors_module() -> None:
                 elsewhere[id(node)] = f"{path.relative_to(PROXY.parent)}: {node.name}"
                 names.add(node.name)
                 grew = True
-    assert not elsewhere, f"move these into proxy/errors.py: {sorted(elsewhere.values())}"
+    assert not elsewhere, f"move these into proxy/core/errors.py: {sorted(elsewhere.values())}"

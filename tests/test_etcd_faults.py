@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from aiohttp import web
 
-from proxy.coordination.etcd import Client, Etcd
-from proxy.errors import EtcdError
-from proxy.settings import EtcdConfig
+from proxy.control.coordination.etcd import Client, Etcd
+from proxy.core.errors import EtcdError
+from proxy.core.settings import EtcdConfig
 from tests.conftest import until
 from tests.etcd_server import etcd_server
 

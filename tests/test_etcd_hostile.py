@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.coordination import COORD
-from proxy.coordination.etcd import Client
-from proxy.errors import EtcdError
-from proxy.metrics import Metrics
-from proxy.ranks import RankTable
+from proxy.control.coordination import COORD
+from proxy.control.coordination.etcd import Client
+from proxy.control.ranks import RankTable
+from proxy.core.errors import EtcdError
+from proxy.core.settings import EtcdConfig, Settings
+from proxy.ingress.state import METRICS, TABLE
 from proxy.server import Running
-from proxy.settings import EtcdConfig, Settings
-from proxy.state import METRICS, TABLE
+from proxy.telemetry.metrics import Metrics
 from tests.conftest import FAST_POLL_S, peak_rss_rise, until
 from tests.etcd_server import etcd_server, stored_json
 from tests.fake_etcd import JunkGateway, endless

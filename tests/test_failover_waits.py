@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.ingress.state import RELAY, TABLE
 from proxy.server import Running
-from proxy.state import RELAY, TABLE
 from tests.conftest import FAST_POLL_S, settings_for, until
 from tests.fakes import FakeRank, detok, next_token, tokenize
 

@@ -18,12 +18,12 @@ import zmq
 from aiohttp import web
 
 from engine_ext import protocol
-from proxy import supervise
-from proxy.feed import Poller, PushFeed
-from proxy.feedmsg import Dropped, Sequencer, parse
-from proxy.metrics import Metrics
-from proxy.ranks import RankStatus, RankTable
-from proxy.settings import Settings, Timeouts
+from proxy.control.feed import Poller, PushFeed
+from proxy.control.pushwire import Dropped, Sequencer, parse
+from proxy.control.ranks import RankStatus, RankTable
+from proxy.core import tasks
+from proxy.core.settings import Settings, Timeouts
+from proxy.telemetry.metrics import Metrics
 from proxy.upstream import Upstream
 
 
@@ -222,7 +222,7 @@ async def test_poller_turns_every_bad_answer_into_not_routable(status_server) ->
 
 
 async def test_a_task_that_dies_is_logged_counted_and_restarted(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(supervise, "RESTARTS", replace(supervise.RESTARTS, base_s=0.01))
+    monkeypatch.setattr(tasks, "RESTARTS", replace(tasks.RESTARTS, base_s=0.01))
     table = RankTable(Settings(groups=[{"name": "g", "ranks": [
         {"name": "r", "url": "http://127.0.0.1:1"}]}]).groups)  # fmt: skip
     metrics = Metrics(table)
@@ -234,7 +234,7 @@ async def test_a_task_that_dies_is_logged_counted_and_restarted(monkeypatch, cap
         if runs < 3:
             raise RuntimeError(f"bug {runs}")
 
-    await asyncio.wait_for(supervise.supervised("demo", flaky, metrics.task_restarts), 2.0)
+    await asyncio.wait_for(tasks.supervised("demo", flaky, metrics.task_restarts), 2.0)
     assert runs == 3
     assert 'ftproxy_task_restarts_total{task="demo"} 2.0' in metrics.render().decode()
     assert "background task demo died" in caplog.text

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy import fields
-from proxy.errors import InvalidField, InvalidJson
-from proxy.fields import MAX_DEPTH, check_fields, parse_object
+from proxy.core import bodies
+from proxy.core.bodies import MAX_DEPTH, check_fields, parse_object
+from proxy.core.errors import InvalidField, InvalidJson
 from tests.conftest import settings_for
 
 BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
@@ -151,7 +151,7 @@ async def test_compressed_bodies_are_forwarded_decoded(fakes, proxy, http) -> No
 def test_values_passed_without_the_validator_are_ones_it_accepts(value: object) -> None:
     """check_fields skips pydantic for values of a check's plain types: every
     such value must be one pydantic would accept too."""
-    tables = (fields.COMMON, fields.COMPLETION_ONLY, fields.CHAT_ONLY, fields.STREAM_OPTIONS)
+    tables = (bodies.COMMON, bodies.COMPLETION_ONLY, bodies.CHAT_ONLY, bodies.STREAM_OPTIONS)
     for table in tables:
         for adapter, _, plain in table.values():
             if type(value) in plain:

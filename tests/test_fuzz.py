@@ -39,9 +39,9 @@ import aiohttp
 import orjson
 
 from bench.validate import Ask, check_stream, check_whole, sse_payloads
-from proxy.forward import DEFAULT_FORWARD
-from proxy.settings import Settings
-from proxy.state import LIMIT, SETTINGS, TABLE
+from proxy.core.forward import DEFAULT_FORWARD
+from proxy.core.settings import Settings
+from proxy.ingress.state import LIMIT, SETTINGS, TABLE
 from tests.conftest import settings_for
 from tests.fakes import FakeRank, detok, next_token, tokenize
 from tests.hostile_rank import MISBEHAVIOURS, HostileRank, Plan, choice

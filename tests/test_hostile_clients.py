@@ -16,10 +16,10 @@ import httptools
 import pytest
 from multidict import CIMultiDict
 
-from proxy import drain
-from proxy.drain import Drain
+from proxy.core.settings import Settings
+from proxy.ingress import drain
+from proxy.ingress.drain import Drain
 from proxy.server import Running
-from proxy.settings import Settings
 from tests.conftest import settings_for
 from tests.test_raw_requests import BODY, STREAM, Answer, _Answers, _Conn, conn_reply, head
 

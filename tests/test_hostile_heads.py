@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from hypothesis import strategies as st
 
+from proxy.ingress.state import LIMIT, METRICS
 from proxy.server import Running
-from proxy.state import LIMIT, METRICS
 from tests.conftest import capture_access_log as capture
 from tests.conftest import settings_for
 from tests.test_connection_life import (

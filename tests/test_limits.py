@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.coordination.flock import FlockFile
+from proxy.control.coordination.flock import FlockFile
+from proxy.ingress.state import METRICS, RELAY
 from proxy.server import start
-from proxy.state import METRICS, RELAY
 from tests.conftest import free_port, replicas, serve_process, settings_for
 from tests.fakes import detok, tokenize
 from tests.test_continuity import (

@@ -8,8 +8,8 @@ import json
 import aiohttp
 import pytest
 
-from proxy import generation
-from proxy.state import METRICS
+from proxy.dataplane import generation
+from proxy.ingress.state import METRICS
 from tests.conftest import settings_for
 
 LONG = "x" * 9000
@@ -85,7 +85,7 @@ async def test_a_bug_is_a_json_500_logged_and_counted(fakes, proxy, http, monkey
 
 
 async def test_a_bug_after_the_stream_began_cuts_it(fakes, proxy, http, monkeypatch) -> None:
-    from proxy.holdopen import HeldStream
+    from proxy.dataplane.hold import HeldStream
 
     a = await fakes(name="a")
     p = await proxy(settings_for([a]))

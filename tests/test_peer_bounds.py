@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from proxy.ingress.state import METRICS, TABLE
 from proxy.server import Running
-from proxy.state import METRICS, TABLE
 from tests.conftest import peak_rss_rise, replicas, settings_for
 from tests.fakes import FakeRank
 

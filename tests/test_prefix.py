@@ -1,4 +1,4 @@
-"""Cache-aware routing (proxy.prefix): the index, the policy, its settings."""
+"""Cache-aware routing (proxy.control.prefix): the index, the policy, its settings."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
-from proxy.balancer import SmoothWeightedBalancer
-from proxy.prefix import (
+from proxy.control.balancer import SmoothWeightedBalancer
+from proxy.control.prefix import (
     CHARS_PER_TOKEN,
     PrefixRouter,
     RankIndex,
@@ -18,8 +18,8 @@ from proxy.prefix import (
     render_messages,
     route_key,
 )
-from proxy.ranks import Rank, RankStatus
-from proxy.settings import CacheAware, ConfigError, load_settings
+from proxy.control.ranks import Rank, RankStatus
+from proxy.core.settings import CacheAware, ConfigError, load_settings
 
 
 def rank(name: str, weight: int = 1, routable: bool = True) -> Rank:

@@ -18,9 +18,9 @@ from typing import Any
 
 import aiohttp
 
+from proxy.core.settings import Settings
+from proxy.ingress.state import TABLE
 from proxy.server import Running
-from proxy.settings import Settings
-from proxy.state import TABLE
 from tests.conftest import replicas, settings_for, until
 from tests.fakes import FakeRank, PrefixCache, chat_prompt
 

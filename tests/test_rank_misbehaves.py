@@ -17,10 +17,10 @@ import pytest
 
 from bench.backend import Conn, _chunk, _head
 from bench.validate import Ask, check_stream, sse_payloads
-from proxy.rankclient import RankClient
+from proxy.core.settings import Settings
+from proxy.ingress.state import LIMIT, METRICS, RELAY, TABLE
 from proxy.server import Running
-from proxy.settings import Settings
-from proxy.state import LIMIT, METRICS, RELAY, TABLE
+from proxy.upstream.client import RankClient
 from tests.conftest import capture_access_log, dechunk, until
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": True, "pace_s": 0.002}

@@ -11,7 +11,7 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy.rankclient import (
+from proxy.upstream.client import (
     BadResponse,
     PoolFull,
     RankClient,

@@ -4,7 +4,7 @@ Requests are written as raw bytes, so each test controls exactly how a
 request reaches the proxy (one read or several, pipelined, framed how).
 Every answer is compared with the same request through a proxy with
 ``listen.fast_lane: false``: the setting is accepted and changes nothing
-(one connection protocol reads every request, proxy.protocol).
+(one connection protocol reads every request, proxy.ingress.protocol).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import httptools
 import pytest
 from multidict import CIMultiDict
 
-from proxy.drain import Drain
-from proxy.protocol import ConnReply
+from proxy.ingress.drain import Drain
+from proxy.ingress.protocol import ConnReply
 from proxy.server import Running
 from tests.conftest import settings_for
 

@@ -11,11 +11,11 @@ import zmq.asyncio
 from multidict import CIMultiDict
 
 from engine_ext import protocol
-from proxy.feed import PushFeed
-from proxy.metrics import Metrics
-from proxy.ranks import RankStatus, RankTable
-from proxy.relay import Outbound, Relay
-from proxy.settings import Settings, Timeouts
+from proxy.control.feed import PushFeed
+from proxy.control.ranks import RankStatus, RankTable
+from proxy.core.settings import Settings, Timeouts
+from proxy.dataplane.relay import Outbound, Relay
+from proxy.telemetry.metrics import Metrics
 from proxy.upstream import make_rank_client
 from tests.conftest import free_port
 

@@ -10,8 +10,8 @@ import pytest
 
 from bench.backend import Conn
 from bench.validate import Ask, check_stream, sse_payloads
+from proxy.core.settings import Settings
 from proxy.server import Running
-from proxy.settings import Settings
 from tests.conftest import dechunk
 
 ASK = Ask(12, ids=True, usage=True)

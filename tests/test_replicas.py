@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from proxy.coordination.etcd import Client
-from proxy.settings import EtcdConfig
+from proxy.control.coordination.etcd import Client
+from proxy.core.settings import EtcdConfig
 from tests import replicas
 from tests.etcd_server import etcd_server, stored_json
 from tests.fakes import FakeRank

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from proxy.retry import RetryPolicy
+from proxy.core.retry import RetryPolicy
 
 
 class Clock:
@@ -146,9 +146,9 @@ async def _schedule(policy: RetryPolicy) -> tuple[list[float], list[float]]:
 async def test_the_policies_in_use_keep_their_documented_numbers() -> None:
     # The README and the modules' comments state these; tests elsewhere read
     # the numbers from the policies themselves, so they would move with them.
-    from proxy.budget import CONTINUATIONS
-    from proxy.coordination.etcd import REPORT_RETRY, WATCH_RETRY
-    from proxy.supervise import HEALTHY_AFTER_S, RESTARTS
+    from proxy.control.coordination.etcd import REPORT_RETRY, WATCH_RETRY
+    from proxy.core.tasks import HEALTHY_AFTER_S, RESTARTS
+    from proxy.dataplane.budget import CONTINUATIONS
 
     ceilings, floors = await _schedule(RESTARTS)  # 0.2 s doubling to 10 s, jittered
     assert ceilings[:8] == pytest.approx([0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10.0, 10.0])

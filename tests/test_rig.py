@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine_ext.rig.launcher import Rig, RigConfig
+from rig.launcher import Rig, RigConfig
 
 
 def _listening(port: int) -> socket.socket:

@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 from proxy.admin_cli import rank_table
-from proxy.settings import Settings
-from proxy.state import TABLE
+from proxy.core.settings import Settings
+from proxy.ingress.state import TABLE
 from tests.conftest import FAST_POLL_S, metric_when, replicas, settings_for
 
 TOKEN = "s3cret-admin"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import EXIT_CONFIG, main
-from proxy.settings import ConfigError, load_settings
+from proxy.core.settings import ConfigError, load_settings
 
 GOOD = """\
 listen: {host: 127.0.0.1, port: 8000}

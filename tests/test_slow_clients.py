@@ -22,9 +22,9 @@ import httptools
 import pytest
 from pydantic import ValidationError
 
+from proxy.core.settings import Settings
+from proxy.ingress.state import LIMIT, METRICS
 from proxy.server import Running
-from proxy.settings import Settings
-from proxy.state import LIMIT, METRICS
 from tests.conftest import capture_access_log, settings_for, until
 from tests.fakes import FakeRank
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from proxy.sse import MAX_EVENT, EventTooLarge, SSEParser
+from proxy.dataplane.sse import MAX_EVENT, EventTooLarge, SSEParser
 
 STREAM = (
     b'data: {"a":1}\n\n'

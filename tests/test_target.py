@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from proxy.errors import InvalidTarget
-from proxy.forward import parse_forward
-from proxy.settings import Settings
-from proxy.target import check_target, upstream_url
+from proxy.core.errors import InvalidTarget
+from proxy.core.forward import parse_forward
+from proxy.core.settings import Settings
+from proxy.core.target import check_target, upstream_url
 from tests.conftest import settings_for
 
 # Each would reach /fault_tolerance/*, /health or another path by normalization.

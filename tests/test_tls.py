@@ -20,9 +20,9 @@ import trustme
 import yaml
 
 from proxy import cli
-from proxy.settings import ConfigError, Listen, Settings, load_settings
-from proxy.state import TABLE
-from proxy.tls import ListenerTLS
+from proxy.core.settings import ConfigError, Listen, Settings, load_settings
+from proxy.core.tls import ListenerTLS
+from proxy.ingress.state import TABLE
 from tests.conftest import free_port, settings_for
 from tests.test_continuity import finishes, read_stream, text_of
 

@@ -9,8 +9,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from proxy.ingress.state import TRACING
 from proxy.server import Running
-from proxy.state import TRACING
 from tests.conftest import replicas
 
 HOLD = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0}

@@ -6,10 +6,10 @@ import asyncio
 import time
 from collections import Counter
 
-from proxy.balancer import SmoothWeightedBalancer
-from proxy.feed import summarize
-from proxy.ranks import RankStatus, RankTable
-from proxy.settings import GroupConfig, RankConfig
+from proxy.control.balancer import SmoothWeightedBalancer
+from proxy.control.feed import summarize
+from proxy.control.ranks import RankStatus, RankTable
+from proxy.core.settings import GroupConfig, RankConfig
 
 
 def table(weights: dict[str, int], one_group: bool = False) -> RankTable:
@@ -145,8 +145,8 @@ def test_a_failed_poll_holds_until_a_newer_http_success() -> None:
 
 
 def test_state_words_from_peers_are_members_when_known_and_kept_when_not() -> None:
-    from proxy.coordination.etcd import _report
-    from proxy.recovery import Outcome
+    from proxy.control.coordination.etcd import _report
+    from proxy.control.recovery import Outcome
 
     assert RankStatus.parse("dead") is RankStatus.DEAD
     assert RankStatus.parse("diagnosing") == "diagnosing"  # shown as the engine said it

@@ -15,8 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.bounded import Bound
-from proxy.errors import (
+from proxy.core.errors import (
     BadJSON,
     BadResponse,
     ConnectFailed,
@@ -25,8 +24,9 @@ from proxy.errors import (
     RankTimeout,
     TooLarge,
 )
-from proxy.settings import Timeouts
+from proxy.core.settings import Timeouts
 from proxy.upstream import Upstream
+from proxy.upstream.bounded import Bound
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MiB = 1 << 20

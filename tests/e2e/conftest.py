@@ -22,11 +22,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_ext.rig.launcher import Rig, RigConfig
-from proxy.ranks import RankTable
+from proxy.control.ranks import RankTable
+from proxy.core.settings import Settings
+from proxy.ingress.state import TABLE
 from proxy.server import Running, start
-from proxy.settings import Settings
-from proxy.state import TABLE
+from rig.launcher import Rig, RigConfig
 from tests.optional import unavailable
 
 pytestmark = pytest.mark.e2e

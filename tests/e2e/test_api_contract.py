@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_ext.rig.launcher import SERVED_MODEL
-from engine_ext.rig.model import EOS
+from rig.launcher import SERVED_MODEL
+from rig.model import EOS
 from tests.e2e.conftest import LiveRig, ensure_healthy, rank_statuses, retry_all
 from tests.fakes import MAX_MODEL_LEN, FakeRank
 

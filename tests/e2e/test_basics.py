@@ -13,10 +13,10 @@ import aiohttp
 import openai
 import pytest
 
-from engine_ext.rig.launcher import SERVED_MODEL
-from proxy.ranks import RankTable
+from proxy.control.ranks import RankTable
+from proxy.ingress.state import METRICS, TABLE
 from proxy.server import start
-from proxy.state import METRICS, TABLE
+from rig.launcher import SERVED_MODEL
 from tests.conftest import until
 from tests.e2e.conftest import LiveRig, proxy_for, rank_statuses, retry_all
 

@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_ext.rig.launcher import SERVED_MODEL
-from proxy.ranks import RankTable
+from proxy.control.ranks import RankTable
+from rig.launcher import SERVED_MODEL
 from tests.e2e.conftest import RigPool, ensure_healthy, proxy_for, retry_all
 
 pytestmark = pytest.mark.e2e

@@ -18,11 +18,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_ext.rig.launcher import SERVED_MODEL
-from proxy.relay import Relay
+from proxy.core.settings import Settings
+from proxy.dataplane.relay import Relay
+from proxy.ingress.state import METRICS, RELAY, TABLE
 from proxy.server import Running, start
-from proxy.settings import Settings
-from proxy.state import METRICS, RELAY, TABLE
+from rig.launcher import SERVED_MODEL
 from tests.e2e.conftest import LiveRig, RigPool, ensure_healthy, retry_all
 from tests.e2e.test_basics import _stream_for_steps
 from tests.fakes import FakeRank

@@ -1,0 +1,300 @@
+"""The rank table: the one place that knows every rank's state.
+
+Writers: the status poller, the push feed, the data plane's passive signals
+(connection refused) and, later, the admin plane. Readers: the balancer, the
+relay, ``/health``, ``/metrics``. Every observation carries the time it was
+made on the proxy's monotonic clock and the newest wins, so a slow poll answer
+never overwrites a fresher push.
+
+Reachability has two parts. HTTP (polls and the relay): a poll that fails or
+times out, or a request that cannot connect, makes the rank unreachable until
+a newer HTTP success; a push cannot undo it, because the status feed comes
+from the engine and proves nothing about a hung API server. The feed (ranks
+with a ``status_feed``): a silent feed makes the rank unreachable until the
+next message. Waiters are woken on every change,
+including a change of the rank's status entry alone.
+
+Routability is decided per DP group, not per rank: the ranks of a group step
+in lockstep, so when one member faults its peers stall in the next collective
+while still saying ``healthy`` until their own collective times out (seconds
+on the rig, minutes with GPU defaults). A rank therefore takes new requests
+only when every member of its group is healthy and reachable (see
+:func:`group_fault`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from proxy.core.settings import GroupConfig
+from proxy.core.tasks import wait_event
+
+
+class RankStatus(StrEnum):
+    """The statuses of vLLM's FT API that the proxy acts on."""
+
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DEAD = "dead"
+    UNKNOWN = "unknown"  # nothing usable heard yet, or an answer without a status
+
+    @classmethod
+    def parse(cls, word: str) -> RankStatus | str:
+        """The member for a rank's word, or the word itself when it names none.
+
+        An unknown word (vLLM's ``diagnosing``, or one a newer engine adds) is
+        kept as the engine said it rather than folded into UNKNOWN: operators
+        read it in /admin/ranks, /metrics labels and routing reasons, and it
+        routes like any other status that is not HEALTHY.
+        """
+        return cls(word) if word in cls._value2member_map_ else word
+
+
+class Source(StrEnum):
+    """Who made an observation of a rank."""
+
+    UNSEEN = ""  # no observation yet (the snapshot's empty string)
+    PUSH = "push"  # the status feed: says nothing about the HTTP server
+    POLL = "poll"
+    RELAY = "relay"  # the data plane's passive signals
+
+
+@dataclass
+class Rank:
+    name: str
+    url: str
+    group: str
+    weight: int
+    status_feed: str | None = None
+    dp_rank: int = 0
+    status: RankStatus | str = RankStatus.UNKNOWN  # see RankStatus.parse
+    fault_info: str | None = None
+    # Last status entry as the rank reported it, unknown fields included.
+    detail: dict[str, Any] = field(default_factory=dict)
+    reachable: bool = False
+    reason: str = "not polled yet"
+    source: Source = Source.UNSEEN
+    observed_at: float = 0.0  # monotonic time of the observation behind `status`
+    last_heard: float = 0.0  # wall clock of the last message or answer (for people)
+    # The two halves of `reachable` (see the module doc), with their times.
+    http_ok: bool = False
+    http_at: float = 0.0
+    http_reason: str = "not polled yet"
+    feed_ok: bool = True
+    feed_reason: str = ""
+    in_flight: int = 0
+    # Which feed changed `status` last, and when (our wall clock).
+    changed_by: Source = Source.UNSEEN
+    changed_at: float = 0.0
+    # Publisher clock to our table, for the last pushed status change.
+    push_delay_s: float | None = None
+    pushed_at: float = 0.0  # wall clock of the last status-feed message (heartbeats too)
+    # Left its DP group (scale_down): its state no longer stalls the peers.
+    removed: bool = False
+    # Why its group cannot take work (a peer's state), kept by the table.
+    group_reason: str | None = None
+    # Model names it serves (its /v1/models), None until learned.
+    models: frozenset[str] | None = None
+    models_at: float = 0.0  # monotonic time they were learned
+
+    def serves(self, model: str | None) -> bool:
+        """May a request for ``model`` go here? Unknown lists do not refuse."""
+        return model is None or self.models is None or model in self.models
+
+    @property
+    def own_fault(self) -> str | None:
+        """Why this rank itself cannot serve, or None."""
+        if not self.reachable:
+            return f"unreachable ({self.reason})" if self.reason else "unreachable"
+        if self.status != RankStatus.HEALTHY:
+            return self.status
+        return None
+
+    @property
+    def unroutable_reason(self) -> str | None:
+        """Why new requests do not go here, or None when they may."""
+        if self.weight <= 0:
+            return "drained (weight 0)"
+        return self.own_fault or self.group_reason
+
+    @property
+    def routable(self) -> bool:
+        return self.unroutable_reason is None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "group": self.group,
+            "dp_rank": self.dp_rank,
+            "weight": self.weight,
+            "removed": self.removed,
+            "status": self.status,
+            "routable": self.routable,
+            "unroutable_reason": self.unroutable_reason,
+            "reachable": self.reachable,
+            "reason": self.reason,
+            "source": self.source,
+            "fault_info": self.fault_info,
+            "detail": self.detail,
+            "in_flight": self.in_flight,
+            "last_heard": self.last_heard,
+            "models": sorted(self.models) if self.models is not None else None,
+            "push_delay_s": self.push_delay_s,
+            "changed_by": self.changed_by,
+            "changed_at": self.changed_at,
+        }
+
+
+def group_fault(group: Iterable[Rank]) -> Rank | None:
+    """The first member of a DP group that is not healthy or not reachable (a
+    silent feed counts as not reachable), or None: the rule for whether the
+    group can make progress. Ranks that left the group (scale_down) do not
+    count."""
+    return next((r for r in group if not r.removed and r.own_fault is not None), None)
+
+
+class RankTable:
+    def __init__(self, groups: Iterable[GroupConfig]) -> None:
+        self.ranks: dict[str, Rank] = {}
+        self._changed = asyncio.Event()
+        self.version = 0
+        # The names every rank serves, sorted, as of a version: a rank may
+        # list thousands, and each request for a model none serves needs them.
+        self._served: tuple[int, list[str]] = (-1, [])
+        self.apply(groups)
+
+    def apply(self, groups: Iterable[GroupConfig]) -> dict[str, list[str]]:
+        """Make the table match a (re-read) config; live state is kept.
+
+        Removed ranks leave the table; streams already on them hold their own
+        reference and are untouched. A rank whose url changed starts afresh.
+        """
+        wanted = {r.name: (g.name, i, r) for g in groups for i, r in enumerate(g.ranks)}
+        diff: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+        for name in [n for n in self.ranks if n not in wanted]:
+            del self.ranks[name]
+            diff["removed"].append(name)
+        for name, (group, index, cfg) in wanted.items():
+            rank = self.ranks.get(name)
+            dp_rank = cfg.dp_rank if cfg.dp_rank is not None else index
+            if rank is None or rank.url != cfg.url or rank.status_feed != cfg.status_feed:
+                diff["added" if rank is None else "changed"].append(name)
+                self.ranks[name] = Rank(name, cfg.url, group, cfg.weight, cfg.status_feed)
+            elif (rank.weight, rank.group) != (cfg.weight, group):
+                diff["changed"].append(name)
+                rank.weight, rank.group = cfg.weight, group
+            self.ranks[name].dp_rank = dp_rank
+        self.notify()
+        return diff
+
+    def __iter__(self) -> Any:
+        return iter(self.ranks.values())
+
+    def group(self, name: str) -> list[Rank]:
+        return [r for r in self.ranks.values() if r.group == name]
+
+    def any_routable(self, model: str | None = None) -> bool:
+        return any(r.routable and r.serves(model) for r in self.ranks.values())
+
+    def serving(self, model: str | None) -> list[Rank]:
+        return [r for r in self.ranks.values() if r.serves(model)]
+
+    def unknown_model(self, model: str | None) -> list[str] | None:
+        """The names served, when every rank's list is known and none has
+        ``model``; else None (the model may be served)."""
+        ranks = list(self.ranks.values())
+        if model is None or not ranks or any(r.models is None for r in ranks):
+            return None
+        if any(model in (r.models or ()) for r in ranks):
+            return None  # the common case, per request: no set built
+        if self._served[0] != self.version:  # models learnt or ranks changed: notify()
+            self._served = (self.version, sorted({m for r in ranks for m in r.models or ()}))
+        return self._served[1]
+
+    def observe(
+        self,
+        name: str,
+        observed_at: float | None,
+        source: Source,
+        *,
+        reachable: bool,
+        status: RankStatus | str | None = None,
+        detail: dict[str, Any] | None = None,
+        reason: str = "",
+    ) -> bool:
+        """Record an observation of a rank; returns False when it is stale.
+
+        ``observed_at`` is on :func:`time.monotonic` (None: now). A PUSH
+        source is the status feed; any other source is an HTTP answer."""
+        rank = self.ranks.get(name)
+        at = time.monotonic() if observed_at is None else observed_at
+        if rank is None:
+            return False
+        # The whole entry counts: an ``ft_error`` (and its
+        # ``last_ft_request_id``) arrives while the status stays unhealthy,
+        # and a recovery round waiting on it must hear of it at once.
+        before = (rank.status, rank.reachable, rank.detail)
+        applied = status_applied = False
+        if source == Source.PUSH:
+            rank.feed_ok, rank.feed_reason, applied = reachable, reason, True
+        elif at >= rank.http_at:
+            rank.http_ok, rank.http_at, rank.http_reason = reachable, at, reason
+            applied = True
+        rank.reachable = rank.http_ok and rank.feed_ok
+        rank.reason = rank.http_reason if not rank.http_ok else rank.feed_reason
+        if reachable:
+            rank.last_heard = time.time()
+        if status is not None and at >= rank.observed_at:
+            rank.observed_at, applied = at, True
+            status_applied = True
+            if status != rank.status:
+                rank.changed_by, rank.changed_at = source, time.time()
+            rank.status = status
+            rank.detail = detail or {}
+            fault = rank.detail.get("fault_info")
+            rank.fault_info = str(fault) if fault is not None else None
+        if applied:
+            rank.source = source
+        if (rank.status, rank.reachable, rank.detail) != before:
+            self.notify()
+        return status_applied if status is not None else applied
+
+    def notify(self) -> None:
+        self._judge_groups()
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _judge_groups(self) -> None:
+        groups: dict[str, list[Rank]] = {}
+        for r in self.ranks.values():
+            groups.setdefault(r.group, []).append(r)
+        for members in groups.values():
+            peer = group_fault(members)
+            reason = None if peer is None else f"rank {peer.name} of its group is {peer.own_fault}"
+            for r in members:
+                r.group_reason = reason
+
+    # A bool answer, not an exception, is what every caller branches on.
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:  # noqa: ASYNC109
+        """Wait until predicate() holds, re-checking on every change.
+
+        ``timeout=None`` waits as long as it takes.
+        """
+        deadline = time.monotonic() + (timeout if timeout is not None else 0)
+        while not predicate():
+            if timeout is None:
+                await self._changed.wait()
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if not await wait_event(self._changed, remaining):
+                return predicate()
+        return True

@@ -1,0 +1,1 @@
+"""Settings, errors, strict JSON, TLS, tasks: what every other package uses."""

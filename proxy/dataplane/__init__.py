@@ -1,0 +1,1 @@
+"""One request's way through: relay, generation, holds and continuations."""

@@ -1,0 +1,421 @@
+"""Forward a client request to a healthy rank and relay the answer.
+
+The balancer decides where; this module sends, retries before the first byte,
+and relays. Streams are written to the client chunk by chunk as they arrive
+(``await write`` applies backpressure; nothing is buffered whole). If the
+client goes away, the handler is cancelled and the upstream connection is
+closed at once, which makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from multidict import CIMultiDict
+
+from proxy.control.balancer import SmoothWeightedBalancer
+from proxy.control.prefix import PrefixRouter, RouteKey, route_key
+from proxy.control.ranks import Rank, RankStatus, RankTable, Source
+from proxy.core.errors import (
+    BadResponse,
+    BodyTooLarge,
+    NoHealthyRank,
+    PoolFull,
+    RankError,
+    RankTimeout,
+    ReadTimeout,
+    StaleConnection,
+    UpstreamFailed,
+)
+from proxy.core.settings import Settings
+from proxy.core.target import upstream_url
+from proxy.dataplane.sink import Reply
+from proxy.telemetry import accesslog
+from proxy.telemetry.accesslog import End
+from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.tracing import Tracing
+from proxy.upstream import response_headers
+from proxy.upstream.client import BODY_ERRORS, RankClient, RankResponse
+
+log = logging.getLogger("ftproxy.relay")
+
+
+@dataclass
+class Outbound:
+    """A client request as it will be sent upstream."""
+
+    method: str
+    path: str  # an allow-listed upstream path (proxy.core.target), never the client's bytes
+    headers: CIMultiDict[str]
+    body: bytes
+    request_id: str
+    sent: int = 0  # upstream requests made for it, resends included
+    max_sent: int | None = None  # a cap on them (a held stream's budget)
+    # The request's `model`: only ranks serving it take it (and its continuations).
+    model: str | None = None
+    # Cache-aware routing (proxy.control.prefix): the prompt's key, and the rank a
+    # continuation's request ran on.
+    route: RouteKey | None = None
+    prefer: str | None = None
+
+    def may_send(self) -> bool:
+        return self.max_sent is None or self.sent < self.max_sent
+
+
+@dataclass
+class Attempt:
+    rank: Rank
+    response: RankResponse
+    started: float
+
+
+# Answers the client from an attempt that got the status line and headers.
+Respond = Callable[[Reply, Attempt], Awaitable[None]]
+
+
+@dataclass
+class Queue:
+    """How long one request may wait for a healthy rank, over all its tries."""
+
+    limit_s: float
+    waited_s: float = 0.0
+
+    @property
+    def left_s(self) -> float:
+        return max(self.limit_s - self.waited_s, 0.0)
+
+
+def _after(failures: list[str]) -> str:
+    return f" (after: {'; '.join(failures)})" if failures else ""
+
+
+class Relay:
+    def __init__(
+        self,
+        table: RankTable,
+        client: RankClient,
+        settings: Settings,
+        metrics: Metrics,
+    ) -> None:
+        self.table, self.client, self.metrics = table, client, metrics
+        self.settings = settings
+        self.balancer = SmoothWeightedBalancer()
+        routing = settings.routing
+        self.router = (
+            PrefixRouter(routing.cache_aware, self.balancer)
+            if routing.policy == "cache_aware"
+            else None
+        )
+        self.waiting = 0  # requests waiting for a healthy rank (limits.max_queued)
+        self.held = 0  # streams on hold now (limits.max_held_streams)
+        self.tracing: Tracing | None = None  # set by the app when tracing is on
+
+    async def forward(self, reply: Reply, out: Outbound, respond: Respond | None = None) -> None:
+        """Open ``out`` on a healthy rank and answer with ``respond`` (default: relay)."""
+        try:
+            attempt = await self.open(out)
+            rank = attempt.rank
+            rank.in_flight += 1
+            try:
+                await (respond or self.relay)(reply, attempt)
+            finally:
+                rank.in_flight -= 1
+        finally:
+            # Continuations add theirs to ``out.sent`` (proxy.dataplane.hold).
+            self.metrics.upstream_requests.observe(out.sent)
+        m = self.metrics
+        m.child(m.requests, rank.name, str(attempt.response.status)).inc()
+        m.child(m.latency, rank.name).observe(time.monotonic() - attempt.started)
+
+    async def open(self, out: Outbound, queue_s: float | None = None) -> Attempt:
+        """Send to a healthy rank; before the first byte, retry on another.
+
+        With no healthy rank, at first or once a try failed (its group
+        faulted), wait for one as a new request does: up to ``queue_s`` in
+        all (default: the configured queue timeout).
+        """
+        tried: set[str] = set()
+        failures: list[str] = []
+        queue = Queue(self.settings.timeouts.queue_s if queue_s is None else queue_s)
+        for _ in range(1 + self.settings.limits.upstream_retries):
+            if not out.may_send():
+                failures.append("no upstream request left in this request's budget")
+                break
+            rank = await self._pick(frozenset(tried), queue, out, failures)
+            if rank is None:
+                break
+            tried.add(rank.name)
+            if self.tracing is None:
+                attempt = await self._try(rank, out, failures)
+            else:
+                attempt = await self._try_traced(self.tracing, rank, out, failures)
+            if attempt is None:
+                continue
+            if attempt.response.status < 500 or self._last_try(tried, out):
+                if (rec := accesslog.current()) is not None:
+                    rec.served_by(rank.name, rank.group)
+                self._learn(rank, out, attempt.response.status)
+                return attempt
+            failures.append(f"{rank.name}: HTTP {attempt.response.status}")
+            self.metrics.upstream_errors.labels(rank.name, "http_5xx").inc()
+            attempt.response.release()
+        raise UpstreamFailed("no rank could take the request: " + "; ".join(failures))
+
+    async def _try(self, rank: Rank, out: Outbound, failures: list[str]) -> Attempt | None:
+        started = time.monotonic()
+        url = upstream_url(rank.url, out.path)
+        try:
+            try:
+                out.sent += 1
+                resp = await self.client.request(out.method, url, out.headers, out.body)
+            except StaleConnection:
+                if not out.may_send():
+                    raise
+                # A pooled connection the rank had closed (its keep-alive ran
+                # out as we reused it) is not a rank failure: send once more on
+                # a new connection, and judge the rank by that.
+                log.info(
+                    "[%s] rank %s closed a pooled connection; resending on a new one",
+                    out.request_id,
+                    rank.name,
+                )
+                out.sent += 1
+                resp = await self.client.request(out.method, url, out.headers, out.body, fresh=True)
+        except PoolFull as e:
+            # Busy, not down: try another, and leave it routable.
+            failures.append(f"{rank.name}: {e}")
+            self.metrics.upstream_errors.labels(rank.name, "pool_full").inc()
+            log.warning("[%s] rank %s: %s", out.request_id, rank.name, e)
+            return None
+        except BadResponse as e:
+            # A malformed answer (status line or code, headers): the rank is up
+            # but answered nonsense. Like a 5xx: try another, without marking it down.
+            failures.append(f"{rank.name}: {type(e).__name__}")
+            self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
+            log.warning("[%s] rank %s sent a malformed answer: %r", out.request_id, rank.name, e)
+            return None
+        except RankError as e:  # no connection, or lost before the head: this rank did not take it
+            failures.append(f"{rank.name}: {type(e).__name__}")
+            self.metrics.upstream_errors.labels(rank.name, "connect").inc()
+            # Passive signal: stop routing here until a poll or push says otherwise.
+            self.table.observe(
+                rank.name, None, Source.RELAY, reachable=False, reason=f"request failed: {e}"
+            )
+            log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
+            return None
+        if 300 <= resp.status < 400 and resp.status != 304:
+            # vLLM redirects no path the proxy forwards; passed on, the
+            # Location would send the client to the rank itself, past the
+            # proxy. An answer that is no answer: like a malformed one.
+            resp.close()
+            failures.append(f"{rank.name}: redirect {resp.status}")
+            self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
+            log.warning(
+                "[%s] rank %s answered a redirect (%d), which the proxy does not follow",
+                out.request_id,
+                rank.name,
+                resp.status,
+            )
+            return None
+        self.metrics.child(self.metrics.ttfb, rank.name).observe(time.monotonic() - started)
+        return Attempt(rank, resp, started)
+
+    async def _try_traced(
+        self, tracing: Tracing, rank: Rank, out: Outbound, failures: list[str]
+    ) -> Attempt | None:
+        attrs = {"ftproxy.rank": rank.name, "ftproxy.group": rank.group, "url.path": out.path}
+        with tracing.attempt(f"upstream {rank.name}", out.headers, attrs) as span:
+            attempt = await self._try(rank, out, failures)
+            if attempt is None:
+                span.set_attribute("error.type", failures[-1] if failures else "failed")
+            else:
+                span.set_attribute("http.response.status_code", attempt.response.status)
+            return attempt
+
+    def _last_try(self, tried: set[str], out: Outbound) -> bool:
+        """A 5xx from the last rank there is to try is the answer."""
+        others = any(r.routable and r.name not in tried for r in self.table.serving(out.model))
+        return not others or not out.may_send()
+
+    def route_key(self, body: dict[str, Any], headers: Mapping[str, str]) -> RouteKey | None:
+        """A completion's or chat's key for cache-aware routing; None under ``weighted``."""
+        if self.router is None:
+            return None
+        return route_key(self.settings.routing.cache_aware, body, headers)
+
+    async def _pick(
+        self, tried: frozenset[str], queue: Queue, out: Outbound, failures: list[str]
+    ) -> Rank | None:
+        model = out.model
+        rank = self._choose(self.table.serving(model), tried, out)
+        if rank is not None:
+            return rank
+        if tried and not self._fault_may_end(tried, model):
+            return None
+        # A retry during a fault waits as a new request does: a peer in the
+        # faulted group comes back with its recovery.
+        await self._queue(queue, model, failures)
+        serving = self.table.serving(model)
+        # A rank that failed is taken again only when no other is back: it
+        # was out of rotation, and a newer poll or push brought it back.
+        return self._choose(serving, tried, out) or self._choose(serving, frozenset(), out)
+
+    def _learn(self, rank: Rank, out: Outbound, status: int) -> None:
+        """A rank that took a prompt has it cached now (cache-aware routing)."""
+        if self.router is not None and out.route is not None and status < 400:
+            self.router.record(rank.name, out.route)
+
+    def _choose(self, ranks: list[Rank], tried: frozenset[str], out: Outbound) -> Rank | None:
+        """The policy's pick (proxy.control.balancer, proxy.control.prefix), counted."""
+        m = self.metrics
+        if self.router is None or out.route is None:
+            rank = self.balancer.pick(ranks, tried)
+            if rank is not None:
+                m.child(m.route_decisions, self.settings.routing.policy, "round_robin").inc()
+            return rank
+        choice = self.router.pick(ranks, tried, out.route, out.prefer)
+        if choice is None:
+            return None
+        m.child(m.route_decisions, "cache_aware", choice.reason).inc()
+        m.child(m.prefix_matched_blocks, choice.rank.name).inc(choice.matched)
+        m.child(m.prefix_blocks, choice.rank.name).inc(len(out.route.blocks))
+        return choice.rank
+
+    def _fault_may_end(self, tried: frozenset[str], model: str | None) -> bool:
+        """Whether a rank is out of rotation that a recovery or a poll brings
+        back: one these tries did not take out, or one whose engine faulted.
+        Ranks that only these tries took out, healthy by their own word, would
+        fail again; a routable rank tried already (a malformed answer, a
+        redirect) would answer the same."""
+        ranks = self.table.serving(model)
+        if any(r.routable for r in ranks):
+            return False  # tried, all of them (the caller found no other)
+        return any(
+            r.weight > 0 and (r.name not in tried or r.status != RankStatus.HEALTHY) for r in ranks
+        )
+
+    async def _queue(self, queue: Queue, model: str | None, failures: list[str]) -> None:
+        """Wait for a routable rank within what is left of ``queue``."""
+        if self.waiting >= self.settings.limits.max_queued:
+            self.metrics.no_rank.inc()
+            raise NoHealthyRank(
+                "no healthy rank, and the wait queue is full" + _after(failures), retry_after_s=1
+            )
+        self.waiting += 1
+        self.metrics.queued.inc()
+        since = time.monotonic()
+        try:
+            found = await self.table.wait_for(lambda: self.table.any_routable(model), queue.left_s)
+        finally:
+            self.waiting -= 1
+            self.metrics.queued.dec()
+            queue.waited_s += time.monotonic() - since
+            self._waited(time.monotonic() - since)
+        if not found:
+            self.metrics.no_rank.inc()
+            raise NoHealthyRank(
+                f"no healthy rank within {queue.limit_s:.0f}s" + _after(failures),
+                retry_after_s=max(1, round(queue.limit_s)),
+            )
+
+    def _waited(self, seconds: float) -> None:
+        self.metrics.queue_wait.observe(seconds)
+        if (rec := accesslog.current()) is not None:
+            rec.queue_s += seconds
+
+    async def read_whole(self, attempt: Attempt) -> bytes:
+        """The answer's whole body, then released. Over
+        ``limits.max_upstream_body_bytes``: :class:`UpstreamFailed` (a 502
+        for the client), counted against the rank; memory stays bounded."""
+        up = attempt.response
+        limit = self.settings.limits.max_upstream_body_bytes
+        try:
+            if up.complete:  # all in already (the common case): nothing to time
+                return await up.read(limit)
+            # read_s bounds each silence; this, the whole: vLLM sends a whole
+            # answer at once, so a body still coming after read_s is a drip.
+            return await _read_within(up, limit, self.settings.timeouts.read_s)
+        except BodyTooLarge as e:
+            self.metrics.upstream_errors.labels(attempt.rank.name, "body_too_large").inc()
+            log.warning(
+                "[%s] rank %s answered %d with a body over %d bytes",
+                accesslog.request_id() or "-",
+                attempt.rank.name,
+                up.status,
+                limit,
+            )
+            raise UpstreamFailed(
+                f"rank {attempt.rank.name} answered {up.status} with a body over {limit} bytes"
+            ) from e
+        finally:
+            up.release()
+
+    async def relay(self, reply: Reply, attempt: Attempt) -> None:
+        """Pass the upstream answer on as it is."""
+        up = attempt.response
+        headers = response_headers(up.header_items())
+        if up.content_type != "text/event-stream":
+            try:
+                body = await self.read_whole(attempt)
+            except BODY_ERRORS as e:
+                # The rank's failure, not the proxy's: a 502, never an
+                # internal error with a traceback.
+                self.metrics.upstream_errors.labels(attempt.rank.name, "body_lost").inc()
+                log.warning(
+                    "[%s] rank %s: the answer's body was lost: %r",
+                    accesslog.request_id() or "-",
+                    attempt.rank.name,
+                    e,
+                )
+                raise UpstreamFailed(
+                    f"rank {attempt.rank.name}'s answer was lost before "
+                    f"its end ({type(e).__name__})"
+                ) from e
+            await reply.whole(up.status, headers, body)
+            return
+        complete = False
+        try:
+            sink = await reply.open_stream(up.status, headers)
+            rec = accesslog.current()
+            try:
+                async for chunk in up.chunks():
+                    if rec is not None:
+                        rec.first_byte()
+                        rec = None
+                    await sink.write(chunk)
+            except BODY_ERRORS as e:  # the rank's; a client's failed write goes on up
+                self._lost_mid_stream(attempt, e)
+                reply.abort()  # no last chunk: the client cannot take it as complete
+                return
+            await reply.close_stream()
+            complete = True
+        finally:
+            # Incomplete (client gone, cancelled, error): close, never pool,
+            # so the rank sees the disconnect and aborts the request.
+            up.release() if complete else up.close()
+
+    def _lost_mid_stream(self, attempt: Attempt, e: Exception) -> None:
+        """A stream passed on as it comes, lost: the rank's failure, counted
+        and logged as one (never an internal error)."""
+        self.metrics.upstream_errors.labels(attempt.rank.name, "body_lost").inc()
+        rid, name = accesslog.request_id() or "-", attempt.rank.name
+        log.warning("[%s] rank %s: the stream was lost; the client's is cut: %r", rid, name, e)
+        if (rec := accesslog.current()) is not None:
+            rec.end = End.UPSTREAM_ERROR
+
+
+async def _read_within(up: RankResponse, limit: int, within_s: float) -> bytes:
+    """The whole body within ``within_s``: a drip is the rank's failure
+    (:class:`ReadTimeout`), as a silence is."""
+    try:
+        async with asyncio.timeout(within_s):
+            return await up.read(limit)
+    except TimeoutError as e:
+        if isinstance(e, RankTimeout):
+            raise
+        raise ReadTimeout(f"the rank's answer took over {within_s:g}s") from e

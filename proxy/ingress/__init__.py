@@ -1,0 +1,1 @@
+"""The proxy's port: connections, the request pipeline, probes and /admin."""

@@ -1,0 +1,257 @@
+"""``build_app(settings)``: the route table, its handlers and background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from proxy.control import models
+from proxy.control.coordination import COORD, Coordination
+from proxy.control.coordination.backend import for_settings
+from proxy.control.feed import Poller, PushFeed
+from proxy.control.ranks import RankTable
+from proxy.control.recovery import AutoRecovery, Recovery
+from proxy.core.bodies import check_fields
+from proxy.core.errors import (
+    ModelNotFound,
+)
+from proxy.core.forward import parse_forward
+from proxy.core.settings import Settings
+from proxy.core.tasks import supervised
+from proxy.dataplane import generation
+from proxy.dataplane.relay import Outbound, Relay
+from proxy.dataplane.sink import Reply
+from proxy.ingress import admin, drain
+from proxy.ingress.drain import DRAIN, Drain
+from proxy.ingress.inbound import check_api_key, read_json
+from proxy.ingress.limits import RequestLimit
+from proxy.ingress.pipeline import PIPELINE, Pipeline
+from proxy.ingress.routes import Request, Response, Route, json_response
+from proxy.ingress.state import (
+    ACCESS_LOG,
+    CONFIG_PATH,
+    LIMIT,
+    METRICS,
+    MODEL_LISTS,
+    RECOVERY,
+    RELAY,
+    SETTINGS,
+    TABLE,
+    TRACING,
+    UPSTREAM,
+)
+from proxy.telemetry import accesslog, tracing
+from proxy.telemetry.accesslog import AccessLog
+from proxy.telemetry.metrics import SAMPLE_EVERY_S, Metrics
+from proxy.upstream import Upstream, request_headers
+from proxy.upstream.bounded import Bound
+
+log = logging.getLogger("ftproxy.app")
+
+
+async def proxy_v1(request: Request) -> None:
+    """An allow-listed serving endpoint (``routing.forward``): to one healthy rank."""
+    settings = request.app[SETTINGS]
+    check_api_key(request.headers, settings.api_keys)
+    max_bytes, timeout_s = settings.limits.max_body_bytes, settings.limits.body_timeout_s
+    parsed: dict[str, Any] = {}
+    if request.method in ("POST", "PUT", "PATCH"):
+        body, parsed = await read_json(request, max_bytes, timeout_s)
+    else:
+        body = await request.body.read(max_bytes, timeout_s)
+    # The route's own path (from the config), not the client's spelling of it.
+    await forward_v1(
+        request.app,
+        request.reply,
+        request.method,
+        request.route,
+        request.headers,
+        body,
+        parsed,
+        request.request_id,
+    )
+
+
+async def forward_v1(
+    app: web.Application,
+    reply: Reply,
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    parsed: dict[str, Any],
+    request_id: str,
+) -> None:
+    """A serving request whose body is read (and, if JSON, parsed): checked,
+    then to a healthy rank."""
+    if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
+        rec.model = parsed["model"][:200]
+    strip_auth = bool(app[SETTINGS].api_keys)
+    out = Outbound(method, path, request_headers(headers, request_id, strip_auth), body, request_id)
+    kind = generation.KINDS.get(path)
+    if kind is not None:
+        check_fields(kind, parsed)
+    if isinstance(model := parsed.get("model"), str):
+        # Only ranks serving it take the request and its continuations: a
+        # continuation on another model would silently corrupt the answer.
+        out.model = model
+        if (served := app[TABLE].unknown_model(model)) is not None:
+            raise ModelNotFound(model, served)
+    if kind is not None and method == "POST":
+        await generation.forward(app[RELAY], reply, out, kind, parsed)
+    else:
+        await app[RELAY].forward(reply, out)
+
+
+async def list_models(request: Request) -> Response:
+    check_api_key(request.headers, request.app[SETTINGS].api_keys)
+    merged = await models.gather(
+        request.app[UPSTREAM], request.app[TABLE], request.app[MODEL_LISTS]
+    )
+    return json_response(merged)
+
+
+async def health(request: Request) -> Response:
+    ok = request.app[TABLE].any_routable()
+    return json_response({"status": "ok" if ok else "no routable rank"}, 200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    admin_cfg = request.app[SETTINGS].admin
+    token = admin_cfg.token if admin_cfg.metrics_use_admin_token else admin_cfg.metrics_token
+    if token is not None:
+        check_api_key(request.headers, [token])
+    return Response(body=request.app[METRICS].render(), content_type="text/plain; charset=utf-8")
+
+
+def routes(settings: Settings) -> list[Route]:
+    """Every path the proxy answers, and its handler."""
+    table = [
+        *drain.ROUTES,  # /ready, /live
+        Route("GET", "/health", health),  # some rank routable
+        Route("GET", "/metrics", metrics),
+        Route("GET", "/v1/models", list_models),
+        *admin.ROUTES,
+    ]
+    for entry in settings.routing.forward:
+        method, path = parse_forward(entry)
+        table.append(Route(method, path, proxy_v1))
+    return table
+
+
+def _background(
+    key: str, make: Callable[[web.Application], Coroutine[Any, Any, None]]
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup_ctx that runs a task for the app's life, then cancels it."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        # Restarted with backoff if it dies (proxy.core.tasks).
+        run = supervised(key, partial(make, app), app[METRICS].task_restarts)
+        task = asyncio.create_task(run, name=key)
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return ctx
+
+
+async def _upstream(app: web.Application) -> AsyncIterator[None]:
+    t, limits = app[SETTINGS].timeouts, app[SETTINGS].limits
+    # Every call to a rank (relay, polls, models, recovery) goes through one
+    # upstream, so https:// ranks are verified the same way everywhere.
+    tls = app[SETTINGS].upstream_tls.context()
+    upstream = Upstream(t, limits.upstream_connections_per_rank, tls=tls)
+    app[UPSTREAM] = upstream
+    app[RELAY] = Relay(app[TABLE], upstream.relay, app[SETTINGS], app[METRICS])
+    app[RELAY].tracing = app[TRACING]
+    app[RECOVERY] = Recovery(app[TABLE], upstream, app[SETTINGS], app[METRICS])
+    app[COORD].attach(app[RECOVERY])
+    yield
+    await upstream.close()
+
+
+def _model_lists(settings: Settings, metrics: Metrics) -> Bound:
+    # A model list is not a liveness probe: allow more than a status poll.
+    timeout = max(1.0, settings.timeouts.poll_timeout_s)
+    limit = settings.limits.max_model_list_bytes
+    return Bound("models", limit, timeout, metrics.too_large)
+
+
+async def _learn_models(app: web.Application) -> None:
+    await models.learn(app[UPSTREAM], app[TABLE], app[MODEL_LISTS])
+
+
+async def _poll(app: web.Application) -> None:
+    settings = app[SETTINGS]
+    await Poller(app[TABLE], app[UPSTREAM], settings.timeouts, app[METRICS], settings.limits).run()
+
+
+async def _push(app: web.Application) -> None:
+    await PushFeed(app[TABLE], app[SETTINGS].timeouts, app[METRICS]).run()
+
+
+async def _auto_recovery(app: web.Application) -> None:
+    # Only a group's leader starts its rounds: one fault, one round, however
+    # many processes watch the same ranks (each group waits for its own).
+    coord = app[COORD]
+    await AutoRecovery(
+        app[RECOVERY], coord.wait_leader, coord.run_round, coord.wait_round_idle
+    ).run()
+
+
+async def _coordinate(app: web.Application) -> None:
+    try:
+        await app[COORD].run()
+        await asyncio.Event().wait()  # hold leadership until the app ends
+    finally:
+        await app[COORD].close()
+
+
+async def _sample_metrics(app: web.Application) -> None:
+    while True:  # only with multiprocess metrics: see Metrics.sample
+        app[METRICS].sample()
+        await asyncio.sleep(SAMPLE_EVERY_S)
+
+
+def build_app(
+    settings: Settings, config_path: Path | None = None, coord: Coordination | None = None
+) -> web.Application:
+    traces = tracing.Tracing(settings.tracing) if settings.tracing.enabled else None
+    app = web.Application(client_max_size=settings.limits.max_body_bytes)
+    app[DRAIN] = Drain()
+    app[LIMIT] = RequestLimit(settings.limits.max_requests)
+    app[SETTINGS] = settings
+    access = AccessLog(settings.logging.format) if settings.logging.access_log else None
+    app[ACCESS_LOG] = access
+    if access is not None:
+        app.on_cleanup.append(access.close)
+    app[TRACING] = traces
+    if traces is not None:
+        app.on_cleanup.append(lambda _: asyncio.to_thread(traces.shutdown))
+    if config_path is not None:
+        app[CONFIG_PATH] = config_path
+    app[TABLE] = table = RankTable(settings.groups)
+    app[METRICS] = Metrics(table)
+    app[MODEL_LISTS] = _model_lists(settings, app[METRICS])
+    app[COORD] = coord if coord is not None else for_settings(settings)
+    app.cleanup_ctx.append(_upstream)
+    app.cleanup_ctx.append(_background("coordination", _coordinate))
+    if app[METRICS].multiprocess:
+        app.cleanup_ctx.append(_background("metrics-sampler", _sample_metrics))
+    app.cleanup_ctx.append(_background("poller", _poll))
+    app.cleanup_ctx.append(_background("models", _learn_models))
+    app.cleanup_ctx.append(_background("push-feed", _push))
+    app.cleanup_ctx.append(_background("auto-recovery", _auto_recovery))
+    app[admin.WEIGHTS] = {}
+    app[admin.REMOVED] = set()
+    app.cleanup_ctx.append(_background("weights", admin.follow_weights))
+    app[PIPELINE] = Pipeline(app, routes(settings))
+    return app

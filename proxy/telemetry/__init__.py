@@ -1,0 +1,1 @@
+"""Metrics, the access log, traces and log formats."""

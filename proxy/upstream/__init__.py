@@ -1,0 +1,131 @@
+"""The proxy's one boundary to its ranks, and header hygiene.
+
+:class:`Upstream` owns every connection to a rank, with its timeouts, TLS,
+size bounds and keep-alive: the relay's client requests and their
+continuations (:attr:`Upstream.relay`), and the proxy's own side requests
+(status polls, ``/health``, model lists, recovery calls) through
+:meth:`Upstream.get` and :meth:`Upstream.post_json`, each read whole within
+its :class:`~proxy.upstream.bounded.Bound` in size, time and JSON depth. Every
+transport failure is a :class:`~proxy.core.errors.RankError`. Upstream only
+sends and reads; which rank to use is the balancer's call.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import ssl
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.core.settings import Timeouts
+from proxy.upstream.bounded import Answer, Bound, fetch
+from proxy.upstream.client import RankClient
+
+# RFC 9110 hop-by-hop headers, plus those aiohttp recomputes itself.
+_HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+    )
+)
+
+
+# The body goes on decoded (proxy.ingress.inbound), so its encoding header does not;
+# the client's Accept-Encoding is not the proxy's (see request_headers).
+_ENCODINGS = frozenset({"content-encoding", "accept-encoding"})
+
+
+def make_rank_client(
+    t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True
+) -> RankClient:
+    """The relay's client for client requests (and their continuations):
+    ``per_rank`` connections per rank at most, idle ones closed after
+    ``upstream_idle_s``; a request waits for a free one as long as for a
+    healthy rank (``queue_s``). ``tls``: for https:// ranks
+    (proxy.core.tls.UpstreamTLS.context: a context, True for the system's, False
+    to encrypt without verifying). Must be called with the loop running."""
+    return RankClient(t.connect_s, t.read_s, t.upstream_idle_s, per_rank, tls, t.queue_s)
+
+
+# Answers are asked for uncompressed (proxy.upstream.bounded), whatever is sent.
+_JSON = CIMultiDictProxy(
+    CIMultiDict({"Accept-Encoding": "identity", "Content-Type": "application/json"})
+)
+
+
+class Upstream:
+    """Every connection to the ranks. Must be made with the loop running.
+
+    Side requests have a pool of their own, with the same bounds: streams
+    may hold each of a rank's ``per_rank`` relay connections for minutes, and
+    a status poll queued behind them would read as the rank down."""
+
+    def __init__(self, t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True) -> None:
+        self.relay = make_rank_client(t, per_rank, tls)
+        self.side = make_rank_client(t, per_rank, tls)
+
+    async def get(self, rank_url: str, path: str, bound: Bound) -> Answer:
+        """``GET path`` of the rank, its answer read whole within ``bound``."""
+        return await fetch(self.side, "GET", rank_url + path, bound)
+
+    async def post_json(self, rank_url: str, path: str, body: Any, bound: Bound) -> Answer:
+        """``POST path`` of the rank with ``body`` as JSON, as :meth:`get`."""
+        raw = jsonlib.dumps(body).encode()
+        return await fetch(self.side, "POST", rank_url + path, bound, raw, _JSON)
+
+    async def close(self) -> None:
+        await self.relay.close()
+        await self.side.close()
+
+
+def request_headers(
+    incoming: Mapping[str, str], request_id: str, strip_auth: bool
+) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    named: list[str] = []
+    for k, v in incoming.items():
+        lk = k.lower()
+        if lk == "connection":
+            named.append(v)
+        # The body goes on decoded (proxy.ingress.inbound), so its encoding header does not.
+        if lk in _HOP_BY_HOP or lk in _ENCODINGS or (strip_auth and lk == "authorization"):
+            continue
+        out.add(k, v)
+    _drop_named(out, named)
+    # The proxy reads generation answers (holds, continuations): uncompressed.
+    out["Accept-Encoding"] = "identity"
+    out["X-Request-Id"] = request_id
+    return out
+
+
+def response_headers(upstream: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
+    """A rank's answer headers (``RankResponse.header_items()``) for the client."""
+    out: CIMultiDict[str] = CIMultiDict()
+    named: list[str] = []
+    for k, v in upstream:
+        lk = k.lower()
+        if lk == "connection":
+            named.append(v)
+        elif lk not in _HOP_BY_HOP:
+            out.add(k, v)
+    _drop_named(out, named)
+    return out
+
+
+def _drop_named(headers: CIMultiDict[str], connection: list[str]) -> None:
+    """RFC 9110 §7.6.1: the fields a ``Connection`` header names are this
+    hop's (``Connection: keep-alive, X-Secret``), never forwarded."""
+    for value in connection:
+        for name in value.split(","):
+            headers.popall(name.strip(), None)
