@@ -38,13 +38,24 @@ def test_a_port_in_use_is_refused_with_a_clear_error() -> None:
 
 
 def test_on_free_ports_moves_every_port_past_a_busy_one() -> None:
-    cfg = RigConfig(ranks=2, base_port=_free_port(), pub_base_port=_free_port())
-    with _listening(cfg.base_port + 1):
+    with _listening(0) as busy:
+        port = busy.getsockname()[1]
+        # Two ranks: HTTP ports port - 1 and port, the second of them busy.
+        cfg = RigConfig(ranks=2, base_port=port - 1, pub_base_port=_free_port())
         moved = cfg.on_free_ports(step=1000)
-    assert moved.base_port == cfg.base_port + 1000
-    assert moved.pub_base_port == cfg.pub_base_port + 1000
-    assert moved.rpc_port == cfg.rpc_port + 1000
-    assert cfg.on_free_ports() == cfg  # nothing busy: unchanged
+    shift = moved.base_port - cfg.base_port
+    # Moved together, by whole steps (ephemeral ports of other tests may be
+    # in use too, so not necessarily by one).
+    assert shift > 0 and shift % 1000 == 0
+    assert moved.pub_base_port - cfg.pub_base_port == shift
+    assert moved.rpc_port - cfg.rpc_port == shift
+
+
+def test_a_config_on_free_ports_stays_as_it_is() -> None:
+    cfg = RigConfig(
+        ranks=1, base_port=_free_port(), pub_base_port=_free_port(), rpc_port=_free_port()
+    )
+    assert cfg.on_free_ports() == cfg
 
 
 class _Group:
