@@ -238,7 +238,7 @@ def test_writes_are_whole_lines_of_at_most_pipe_buf(monkeypatch) -> None:
 def test_worker_processes_never_interleave_inside_a_line() -> None:
     """Four processes write big batches into one pipe at once: every line whole."""
     code = (
-        "import sys; from proxy import accesslog\n"
+        "import sys; from proxy.telemetry import accesslog\n"
         "me = sys.argv[1]\n"
         'line = (\'{"w":"%s","pad":"%s"}\\n\' % (me, me * 300)).encode()\n'
         "for _ in range(40): accesslog.write_lines(1, line * 200)\n"
