@@ -57,6 +57,12 @@ _MAX_HEADERS = 128
 _MAX_MESSAGE = 200  # the parser's message can quote the client's bytes
 # Bytes kept unparsed while a request is answered (a client pipelining more waits).
 _MAX_PENDING = 1 << 20
+# Requests parsed and waiting for the answers before them: past this the
+# socket is not read (each holds ~2 KB of objects for ~35 bytes read).
+_MAX_QUEUED = 64
+# A head's bytes before its end: all the fields a head may have, and a line.
+# llhttp buffers a field (httptools) until it ends, so the bound is here.
+_MAX_HEAD = (_MAX_HEADERS + 1) * _MAX_LINE
 # After an answer given before its body was all in: how long the rest is read
 # (and dropped) before closing, so the client reads the answer, not a reset.
 _LINGER_S = 1.0
@@ -255,6 +261,7 @@ class Connection(asyncio.Protocol):
         self._linger: asyncio.TimerHandle | None = None
         self._upgrade_left = 0  # body bytes of an upgrade request still to read
         self._linger_keep = False  # whether the connection goes on once the lingering body is in
+        self._head_bytes = 0  # read of the head being parsed
 
     # -- asyncio ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -308,14 +315,22 @@ class Connection(asyncio.Protocol):
         if self.answering is not None and _all_in(self.answering):
             # Bytes after the request being answered: a pipelining client's.
             self.received += len(data)
-            if self.received > _MAX_PENDING and self.transport is not None:
-                self.transport.pause_reading()  # resumed once this answer is out
+            if self._backlog_full() and self.transport is not None:
+                self.transport.pause_reading()  # resumed once the backlog is answered
         elif self.answering is None and self._header_timer is None and self.parsing is None:
             self._arm_header_timer()  # the first bytes of a request after an idle time
         if self._upgrade_left:
             self._feed_upgrade_body(data)
             return
+        if self.parsing is None or not self.parsing.in_body:
+            self._head_bytes += len(data)
+            if self._head_bytes > _MAX_HEAD:
+                self._parse_error(f"request head larger than {_MAX_HEAD} bytes")
+                return
         self._feed(data)
+
+    def _backlog_full(self) -> bool:
+        return self.received > _MAX_PENDING or len(self.queue) >= _MAX_QUEUED
 
     # -- parsing ---------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
@@ -405,6 +420,7 @@ class Connection(asyncio.Protocol):
         msg = self.parsing
         assert msg is not None
         msg.in_body = True
+        self._head_bytes = 0
         if self.answering is None:
             self._disarm_header_timer()
         if msg.url == b"*":  # no resource of the proxy's is the server as a whole
@@ -481,7 +497,7 @@ class Connection(asyncio.Protocol):
     def _start_next(self) -> None:
         msg = self.queue.popleft()
         assert msg.request is not None and msg.reply is not None
-        self.answering, self.received = msg, 0
+        self.answering = msg
         self.task = self.loop.create_task(self._serve(msg, msg.request, msg.reply))
 
     async def _serve(self, msg: _Message, req: Request, reply: ConnReply) -> None:
@@ -519,10 +535,15 @@ class Connection(asyncio.Protocol):
             self._close()
             return
         self.answering = None
-        if self.transport is not None:
+        if not self.queue:
+            self.received = 0  # the backlog is answered
+        if self.transport is not None and not self._backlog_full():
             self.transport.resume_reading()
         if self.queue:
             self._start_next()
+            answering, transport = self.answering, self.transport
+            if transport is not None and answering is not None and not _all_in(answering):
+                transport.resume_reading()  # its body is still to come: read it
         elif self.refusal is not None:
             self._refuse(self.refusal)
         elif self.parsing is not None:  # its head began to come during the answer
