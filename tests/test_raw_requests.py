@@ -158,9 +158,13 @@ async def test_other_shapes_are_answered_and_the_next_request_too(pair, name, wr
 async def test_a_request_in_several_reads_is_answered(pair) -> None:
     """Clients (httpx, so the OpenAI SDK) write headers and body apart."""
     raw = head(BODY) + BODY
-    await both(pair, raw[:10], raw[10:])  # the request line in two
-    await both(pair, head(BODY), BODY)  # the body apart
-    await both(pair, head(BODY), BODY[:7], BODY[7:])  # and itself in two
+    for writes in (
+        (raw[:10], raw[10:]),  # the request line in two
+        (head(BODY), BODY),  # the body apart
+        (head(BODY), BODY[:7], BODY[7:]),  # and itself in two
+    ):
+        got = await both(pair, *writes)
+        assert [a.status for a in got] == [200], writes
 
 
 async def test_a_body_that_does_not_come_is_a_408(fakes, proxy) -> None:
