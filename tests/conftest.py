@@ -44,6 +44,17 @@ def dechunk(body: bytes) -> bytes:
     raise AssertionError("the answer was cut: no last chunk")
 
 
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One whole request off a raw rank's connection: its head and a
+    ``Content-Length`` body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,19 +19,10 @@ from proxy.upstream.client import (
     ReadTimeout,
     StaleConnection,
 )
-from tests.conftest import until
+from tests.conftest import read_request, until
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
-
-
-async def _read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":")[1])
-    return head + await reader.readexactly(length)
 
 
 @pytest.fixture
@@ -74,7 +65,7 @@ async def test_keep_alive_answers_reuse_one_connection_and_send_the_request_exac
         conns += 1
         while not reader.at_eof():
             try:
-                seen.append(await _read_request(reader))
+                seen.append(await read_request(reader))
             except asyncio.IncompleteReadError:
                 return
             writer.write(OK)
@@ -98,10 +89,10 @@ async def test_keep_alive_answers_reuse_one_connection_and_send_the_request_exac
 
 async def test_a_pooled_connection_the_rank_closed_is_stale_a_new_one_is_not(rank) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(OK)
         await writer.drain()
-        await _read_request(reader)  # the second request on it: dropped unanswered
+        await read_request(reader)  # the second request on it: dropped unanswered
         writer.close()
 
     url = await rank(serve)
@@ -114,7 +105,7 @@ async def test_a_pooled_connection_the_rank_closed_is_stale_a_new_one_is_not(ran
     resp.release()
 
     async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.close()
 
     with pytest.raises(RankConnectionError) as e:
@@ -125,16 +116,16 @@ async def test_a_pooled_connection_the_rank_closed_is_stale_a_new_one_is_not(ran
 
 async def test_bad_http_and_silence_and_a_cut_body_are_errors(rank) -> None:
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTP/9 what\r\n\r\n")
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nab")
         await asyncio.sleep(5)
 
     async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nab")
         writer.close()
 
@@ -154,7 +145,7 @@ async def test_chunks_arrive_as_sent_and_close_ends_a_waiting_reader(rank) -> No
     go = asyncio.Event()
 
     async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")  # fmt: skip
         await go.wait()
@@ -183,7 +174,7 @@ async def test_per_rank_limit_waits_for_a_connection(rank) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             try:
-                await _read_request(reader)
+                await read_request(reader)
             except asyncio.IncompleteReadError:
                 return
             await asyncio.sleep(0.05)
@@ -211,7 +202,7 @@ def _answers(*replies: bytes) -> Serve:
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for reply in replies:
-            await _read_request(reader)
+            await read_request(reader)
             writer.write(reply)
             await writer.drain()
         await reader.read()
@@ -245,7 +236,7 @@ async def test_odd_chunks_extensions_trailers_and_framings_read_exactly(rank) ->
 
 async def test_close_delimited_and_http10_answers_are_read_whole_and_not_reused(rank) -> None:
     async def eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b'HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{"a":')
         await writer.drain()
         await asyncio.sleep(0.05)
@@ -253,7 +244,7 @@ async def test_close_delimited_and_http10_answers_are_read_whole_and_not_reused(
         writer.close()
 
     async def close_after(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
         await reader.read()  # it is the client's to close
 
@@ -278,7 +269,7 @@ async def test_both_lengths_or_a_non_http_status_line_is_a_bad_answer(rank) -> N
 
 async def test_interim_100_continue_is_skipped_for_the_final_answer(rank) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         await writer.drain()
         await asyncio.sleep(0.05)  # its own packet: the client sees it alone
@@ -300,7 +291,7 @@ async def test_bytes_after_a_complete_answer_never_become_the_next_answer(rank) 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             nonlocal served
             while not reader.at_eof():
-                await _read_request(reader)
+                await read_request(reader)
                 served += 1
                 writer.write(OK + extra if served == 1 else OK)  # noqa: B023
                 await writer.drain()
@@ -314,13 +305,13 @@ async def test_bytes_after_a_complete_answer_never_become_the_next_answer(rank) 
 
 async def test_extra_bytes_arriving_after_the_answer_in_their_own_packet(rank) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(OK)
         await writer.drain()
         await asyncio.sleep(0.05)
         writer.write(b"HTTP/1.1 201 Created\r\nContent-Length: 7\r\n\r\nforged!")
         while not reader.at_eof():
-            await _read_request(reader)
+            await read_request(reader)
             writer.write(OK)
 
     url = await rank(serve)
@@ -335,7 +326,7 @@ async def test_extra_bytes_arriving_after_the_answer_in_their_own_packet(rank) -
 
 async def test_a_head_block_that_never_ends_is_bounded(rank) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
         for _ in range(400):
             writer.write(b"x" * 65536)
@@ -399,7 +390,7 @@ async def test_a_protocol_switch_is_a_bad_answer_not_a_lost_connection(rank) -> 
 
 async def test_a_head_dripped_line_by_line_times_out(rank) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\n")
         for _ in range(200):  # bounded: 10 s at most, never silent for read_s
             writer.write(b"X-Drip: y\r\n")
@@ -459,7 +450,7 @@ def _reset(writer: asyncio.StreamWriter) -> None:
 
 async def test_a_close_delimited_answer_cut_by_a_reset_is_lost_a_clean_end_is_not(rank) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"partial":')
         await writer.drain()
         await asyncio.sleep(0.1)  # the client has read what came
@@ -508,7 +499,7 @@ async def test_waiting_for_a_free_connection_is_bounded(rank) -> None:
 
     async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal requests
-        await _read_request(reader)
+        await read_request(reader)
         requests += 1
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n")
         await asyncio.sleep(5)
@@ -536,7 +527,7 @@ async def test_a_trailer_section_or_chunk_framing_without_end_is_bounded(rank) -
 
     def endless(start: bytes) -> Serve:
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await _read_request(reader)
+            await read_request(reader)
             writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n")
             writer.write(start)
             sent.append(0)
@@ -573,14 +564,14 @@ async def test_a_204_or_304_that_declares_a_body_does_not_leave_it_to_the_next_a
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             nonlocal conns
             conns += 1
-            await _read_request(reader)
+            await read_request(reader)
             if conns > 1:
                 writer.write(OK)
                 await reader.read()
                 return
             writer.write(head)  # noqa: B023
             await writer.drain()
-            await _read_request(reader)  # the next request, if the connection was reused
+            await read_request(reader)  # the next request, if the connection was reused
             writer.write(b"forged!" + OK)  # the body the head declared comes late
 
         client = _client()
@@ -598,7 +589,7 @@ async def test_a_reader_slower_than_the_rank_is_no_silence_of_the_ranks(rank) ->
     part = b"10000\r\n" + b"z" * 0x10000 + b"\r\n"
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         for _ in range(4):
             writer.write(part)
@@ -606,7 +597,7 @@ async def test_a_reader_slower_than_the_rank_is_no_silence_of_the_ranks(rank) ->
             await asyncio.sleep(0.05)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
-        if await _read_request(reader):  # the next request: an answer that begins, then silence
+        if await read_request(reader):  # the next request: an answer that begins, then silence
             writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + part * 2)
             await asyncio.sleep(5)
 

@@ -27,6 +27,7 @@ from proxy.core.errors import (
 from proxy.core.settings import Timeouts
 from proxy.upstream import Upstream
 from proxy.upstream.bounded import Bound
+from tests.conftest import read_request
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MiB = 1 << 20
@@ -35,15 +36,6 @@ MiB = 1 << 20
 def answer(body: bytes, status: str = "200 OK") -> bytes:
     head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
     return head.encode() + b"\r\n\r\n" + body
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":")[1])
-    return head + await reader.readexactly(length)
 
 
 @pytest.fixture
