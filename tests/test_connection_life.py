@@ -9,6 +9,7 @@ now) must still answer alike.
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import socket
@@ -17,6 +18,9 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
+from proxy.ingress.drain import InFlight
+from proxy.ingress.protocol import ConnReply
+from proxy.ingress.routes import Request
 from proxy.ingress.state import METRICS
 from proxy.server import Running
 from tests.conftest import capture_access_log as capture
@@ -389,3 +393,23 @@ async def test_a_body_larger_than_the_pipelining_buffer_is_read_whole(
     finally:
         writer.close()
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+
+
+async def test_answered_requests_leave_no_cycles_for_the_collector(fakes, proxy) -> None:
+    """A request's objects go with their last reference: each left in a
+    reference cycle costs a collector run over the whole heap later."""
+    rank = await fakes(name="a")
+    p = await proxy(settings_for([rank]))
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept in gc.garbage
+    try:
+        for body in (BODY, STREAM, BODY, STREAM):
+            answers = await exchange(p.port, head(body) + body)
+            assert [a.status for a in answers] == [200]
+        gc.collect()
+        kinds = (ConnReply, InFlight, Request)
+        left = [type(o).__name__ for o in gc.garbage if isinstance(o, kinds)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == []

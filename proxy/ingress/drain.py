@@ -94,6 +94,7 @@ class Drain:
 
     def leave(self, entry: InFlight) -> None:
         self._in_flight.discard(entry)
+        entry.stream = None  # the stream's reply holds its entry: no cycle left to collect
         if not self._in_flight:
             self._idle.set()
 
