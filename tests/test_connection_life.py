@@ -395,6 +395,22 @@ async def test_a_body_larger_than_the_pipelining_buffer_is_read_whole(
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
 
 
+async def test_the_keepalive_time_runs_from_the_last_answer(fakes, proxy) -> None:
+    rank = await fakes(name="a")
+    p = await proxy(settings_for([rank], limits={"keepalive_timeout_s": 0.5}))
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        for _ in range(3):  # each within the time of the one before, 0.9 s in all
+            writer.write(head(BODY) + BODY)
+            assert (await read_answer(reader)).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(0.3)
+        writer.write(head(BODY) + BODY)  # still open: idle 0.3 s since the last answer
+        assert (await read_answer(reader)).startswith(b"HTTP/1.1 200")
+        assert await asyncio.wait_for(reader.read(), 3) == b""  # then closed, silently
+    finally:
+        writer.close()
+
+
 async def test_answered_requests_leave_no_cycles_for_the_collector(fakes, proxy) -> None:
     """A request's objects go with their last reference: each left in a
     reference cycle costs a collector run over the whole heap later."""

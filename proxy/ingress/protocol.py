@@ -258,6 +258,7 @@ class Connection(asyncio.Protocol):
         self._writable.set()
         self._header_timer: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_since = 0.0  # the end of the last answer
         self._linger: asyncio.TimerHandle | None = None
         self._upgrade_left = 0  # body bytes of an upgrade request still to read
         self._linger_keep = False  # whether the connection goes on once the lingering body is in
@@ -309,16 +310,14 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.stopped:
             return
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        fresh = False  # the first bytes of a request after an idle time
         if self.answering is not None and _all_in(self.answering):
             # Bytes after the request being answered: a pipelining client's.
             self.received += len(data)
             if self._backlog_full() and self.transport is not None:
                 self.transport.pause_reading()  # resumed once the backlog is answered
         elif self.answering is None and self._header_timer is None and self.parsing is None:
-            self._arm_header_timer()  # the first bytes of a request after an idle time
+            fresh = True
         if self._upgrade_left:
             self._feed_upgrade_body(data)
             return
@@ -328,6 +327,15 @@ class Connection(asyncio.Protocol):
                 self._parse_error(f"request head larger than {_MAX_HEAD} bytes")
                 return
         self._feed(data)
+        if fresh and self._head_coming():
+            # Armed only for a head that did not come whole in this read (most
+            # do): its time runs from these bytes all the same.
+            self._arm_header_timer()
+
+    def _head_coming(self) -> bool:
+        """A head begun and not ended, with no answer under way (whose end arms its timer)."""
+        msg = self.parsing
+        return not self.stopped and self.answering is None and msg is not None and not msg.in_body
 
     def _backlog_full(self) -> bool:
         return self.received > _MAX_PENDING or len(self.queue) >= _MAX_QUEUED
@@ -554,7 +562,9 @@ class Connection(asyncio.Protocol):
         elif self.parsing is not None:  # its head began to come during the answer
             self._arm_header_timer()
         elif not self.stopped:
-            self._idle_timer = self.loop.call_later(self.limits.keepalive_timeout_s, self._idle)
+            self._idle_since = self.loop.time()
+            if self._idle_timer is None:  # one timer, not one per answer: see _idle
+                self._idle_timer = self.loop.call_later(self.limits.keepalive_timeout_s, self._idle)
 
     def _close(self) -> None:
         if self._linger is not None:
@@ -589,8 +599,13 @@ class Connection(asyncio.Protocol):
         """An idle keep-alive connection is closed silently (an unasked 408
         reads as a failed request to pools that reuse it)."""
         self._idle_timer = None
-        if self.answering is None and self.parsing is None and not self.queue:
-            self._close()
+        if self.answering is not None or self.parsing is not None or self.queue:
+            return  # busy: the answer's end arms it again
+        left = self._idle_since + self.limits.keepalive_timeout_s - self.loop.time()
+        if left > 0:  # answers came since it was armed: idle only since the last
+            self._idle_timer = self.loop.call_later(left, self._idle)
+            return
+        self._close()
 
     def close_when_idle(self) -> None:
         """At shutdown: an idle connection closes now, a busy one after its answer."""
