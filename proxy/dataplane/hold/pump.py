@@ -7,11 +7,10 @@ bookkeeping), writes them, and says how the upstream ended; a fault it sees
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -43,15 +42,6 @@ class PumpEnd(StrEnum):
 
 # Book.on_original or Book.on_continuation: one parsed chunk in, client chunks out.
 Handle = Callable[[dict[str, Any]], Emit]
-
-
-@contextlib.contextmanager
-def _client_side() -> Iterator[None]:
-    """A failed write is the client's leaving, never the rank's failure."""
-    try:
-        yield
-    except (ConnectionError, aiohttp.ClientError) as e:
-        raise ClientGone(f"the client went away: {e!r}") from e
 
 
 class Pump:
@@ -190,12 +180,7 @@ class Pump:
 
     async def write(self, data: bytes) -> None:
         self._first_byte(data)
-        self.flow.writing += 1
-        try:
-            with _client_side():
-                await self.sink.write(data)
-        finally:
-            self._written()
+        await self._waiting(self.sink.write(data))
 
     async def keepalive(self) -> None:
         await self.write(KEEPALIVE)
@@ -203,23 +188,25 @@ class Pump:
     def _write_now(self, data: bytes) -> bool:
         """As :meth:`write`, from a data callback; False: :meth:`_drain` first."""
         self._first_byte(data)
-        try:  # per chunk: no context manager's cost
+        try:
             return self.sink.write_now(data)
         except ConnectionError as e:
             raise ClientGone(f"the client went away: {e!r}") from e
 
     async def _drain(self) -> None:
+        await self._waiting(self.sink.drain())
+
+    async def _waiting(self, io: Awaitable[None]) -> None:
+        """A write that may wait on the client; a failure is the client's
+        leaving, never the rank's. The rank's silence counts from its end."""
         self.flow.writing += 1
         try:
-            with _client_side():
-                await self.sink.drain()
+            await io
+        except (ConnectionError, aiohttp.ClientError) as e:
+            raise ClientGone(f"the client went away: {e!r}") from e
         finally:
-            self._written()
-
-    def _written(self) -> None:
-        """A write to the client ended: the rank's silence counts from now."""
-        self.flow.writing -= 1
-        self.flow.last_event = time.monotonic()
+            self.flow.writing -= 1
+            self.flow.last_event = time.monotonic()
 
     def _first_byte(self, data: bytes) -> None:
         if self.first_pending and data is not KEEPALIVE and self.access is not None:
