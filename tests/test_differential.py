@@ -686,7 +686,7 @@ async def test_a_client_that_leaves_during_the_hold_ends_it(proxy: Any) -> None:
             assert await table.wait_for(lambda: held._value.get() == 0, 2.0)
             assert await table.wait_for(lambda: all(x.routable for x in table), 3.0)
             await asyncio.sleep(0.2)
-        assert len(engine.seen) == 1 and p.app[RELAY].held == 0
+        assert len(engine.seen) == 1 and p.app[RELAY].held.now == 0
     finally:
         await rank.stop()
 

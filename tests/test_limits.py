@@ -173,7 +173,7 @@ async def test_held_streams_beyond_the_limit_end_with_an_error(fakes, proxy, htt
                              limits={"max_held_streams": 0}))  # fmt: skip
     chunks, _, done = await read_stream(http, p.url, "/v1/completions", completion(30))
     assert done and chunks[-1]["error"]["code"] == "hold_capacity"
-    assert p.app[RELAY].held == 0
+    assert p.app[RELAY].held.now == 0
     assert p.app[METRICS].stream_errors.labels("hold_capacity")._value.get() == 1
 
 
@@ -199,7 +199,7 @@ async def test_held_streams_are_capped_at_the_limit_and_the_rest_stay_exact(
             assert finishes(chunks) == ["length"]
     assert refused >= 1
     assert p.app[METRICS].stream_errors.labels("hold_capacity")._value.get() == refused
-    assert p.app[RELAY].held == 0
+    assert p.app[RELAY].held.now == 0
 
 
 @pytest.mark.parametrize("path, limit", [("/v1/embeddings", 1 << 20), ("/admin/ranks/a", 64 << 10)])

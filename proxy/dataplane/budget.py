@@ -33,3 +33,13 @@ class StreamBudget:
             f"this stream used its budget of {self.max_continuations} continuations and "
             f"{self.max_hold_s:.0f}s on hold; retry it"
         )
+
+
+class HeldStreams:
+    """Streams on hold now in this process, against ``limits.max_held_streams``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.now = limit, 0
+
+    def full(self) -> bool:
+        return self.now > self.limit

@@ -30,9 +30,9 @@ from proxy.dataplane.continuation import (
     refusal,
     text_of,
 )
-from proxy.dataplane.hold import Collector, HeldStream
+from proxy.dataplane.hold import HeldStream
 from proxy.dataplane.relay import Attempt, Outbound, Relay
-from proxy.dataplane.sink import Reply
+from proxy.dataplane.sink import Collector, Reply
 from proxy.telemetry import accesslog
 from proxy.upstream import response_headers
 from proxy.upstream.client import BODY_ERRORS, RankResponse
@@ -57,8 +57,10 @@ async def forward(
         out.body = raw[:-1] + (
             b',"return_token_ids":true}' if body else b'"return_token_ids":true}'
         )
-    respond = _stream if as_bool(body.get("stream")) else _whole
-    await relay.forward(reply, out, partial(respond, relay, out, book, refusal(body)))
+    answer = _stream if as_bool(body.get("stream")) else _whole
+    refused = refusal(body)
+    async with relay.attempt(out) as attempt:
+        await answer(relay, out, book, refused, reply, attempt)
 
 
 def _echoes(kind: str, body: dict[str, Any]) -> bool:

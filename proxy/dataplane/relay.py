@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from proxy.core.errors import (
 )
 from proxy.core.settings import Settings
 from proxy.core.target import upstream_url
+from proxy.dataplane.budget import HeldStreams
 from proxy.dataplane.sink import Reply
 from proxy.telemetry import accesslog
 from proxy.telemetry.accesslog import End
@@ -74,8 +75,31 @@ class Attempt:
     started: float
 
 
-# Answers the client from an attempt that got the status line and headers.
-Respond = Callable[[Reply, Attempt], Awaitable[None]]
+class Forwarding:
+    """``async with relay.attempt(out) as attempt``: the rank's in-flight
+    count while the body runs; the request's metrics once it ends (its
+    upstream requests, continuations added, whatever the end; status and
+    latency when it ends without an error)."""
+
+    def __init__(self, relay: Relay, out: Outbound) -> None:
+        self.relay, self.out = relay, out
+
+    async def __aenter__(self) -> Attempt:
+        try:
+            self.attempt = await self.relay.open(self.out)
+        except BaseException:
+            self.relay.metrics.upstream_requests.observe(self.out.sent)
+            raise
+        self.attempt.rank.in_flight += 1
+        return self.attempt
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        rank, m = self.attempt.rank, self.relay.metrics
+        rank.in_flight -= 1
+        m.upstream_requests.observe(self.out.sent)
+        if kind is None:
+            m.child(m.requests, rank.name, str(self.attempt.response.status)).inc()
+            m.child(m.latency, rank.name).observe(time.monotonic() - self.attempt.started)
 
 
 @dataclass
@@ -112,25 +136,18 @@ class Relay:
             else None
         )
         self.waiting = 0  # requests waiting for a healthy rank (limits.max_queued)
-        self.held = 0  # streams on hold now (limits.max_held_streams)
+        self.held = HeldStreams(settings.limits.max_held_streams)
         self.tracing: Tracing | None = None  # set by the app when tracing is on
 
-    async def forward(self, reply: Reply, out: Outbound, respond: Respond | None = None) -> None:
-        """Open ``out`` on a healthy rank and answer with ``respond`` (default: relay)."""
-        try:
-            attempt = await self.open(out)
-            rank = attempt.rank
-            rank.in_flight += 1
-            try:
-                await (respond or self.relay)(reply, attempt)
-            finally:
-                rank.in_flight -= 1
-        finally:
-            # Continuations add theirs to ``out.sent`` (proxy.dataplane.hold).
-            self.metrics.upstream_requests.observe(out.sent)
-        m = self.metrics
-        m.child(m.requests, rank.name, str(attempt.response.status)).inc()
-        m.child(m.latency, rank.name).observe(time.monotonic() - attempt.started)
+    async def forward(self, reply: Reply, out: Outbound) -> None:
+        """Open ``out`` on a healthy rank and pass its answer on as it is."""
+        async with self.attempt(out) as attempt:
+            await self.relay(reply, attempt)
+
+    def attempt(self, out: Outbound) -> Forwarding:
+        """A client request's attempt, for ``async with``: opened on a healthy
+        rank, counted in its in-flight requests and in the metrics."""
+        return Forwarding(self, out)
 
     async def open(self, out: Outbound, queue_s: float | None = None) -> Attempt:
         """Send to a healthy rank; before the first byte, retry on another.

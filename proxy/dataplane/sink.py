@@ -19,6 +19,8 @@ from typing import Protocol
 
 from multidict import CIMultiDict
 
+from proxy.dataplane.sse import SSEParser
+
 # What may sit in the transport's buffer before the stream waits for the
 # client to read (aiohttp's own writer waits from 64 KiB).
 HIGH_WATER = 64 * 1024
@@ -87,3 +89,27 @@ class ChunkSink:
 
     async def drain(self) -> None:
         await self._drain()
+
+
+class Collector:
+    """A sink that keeps the events, for answers the client gets whole."""
+
+    direct = True
+
+    def __init__(self) -> None:
+        self.parser = SSEParser()
+        self.events: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.write_now(data)
+
+    def write_now(self, data: bytes) -> bool:
+        self.events.extend(self.parser.feed(data))
+        return True
+
+    def clear(self) -> None:
+        """Forget the answer so far (it starts over)."""
+        self.parser, self.events = SSEParser(), []
+
+    async def drain(self) -> None:
+        pass

@@ -1,0 +1,214 @@
+"""The pump: one upstream's events through the book to the client.
+
+It reads a rank's SSE events, turns each into the client's (the book's
+bookkeeping), writes them, and says how the upstream ended; a fault it sees
+(an abort, the connection lost) starts the hold.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+
+from proxy.core.errors import ClientGone
+from proxy.dataplane.continuation import Book, Emit, SpliceFailed
+from proxy.dataplane.hold.hold import Flow, Hold, StreamFailed
+from proxy.dataplane.sink import Collector, Sink
+from proxy.dataplane.sse import DONE, KEEPALIVE, EventTooLarge, SSEParser, event
+from proxy.telemetry.accesslog import AccessRecord
+from proxy.upstream.client import BODY_ERRORS
+
+if TYPE_CHECKING:
+    from proxy.dataplane.relay import Attempt
+
+log = logging.getLogger("ftproxy.hold")
+
+
+class PumpEnd(StrEnum):
+    """How one upstream's events ended for the pump."""
+
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    UPSTREAM_ERROR = "upstream error"  # the engine's own error event, passed on
+    INCOMPLETE = "ended without a finish reason"
+
+
+# Book.on_original or Book.on_continuation: one parsed chunk in, client chunks out.
+Handle = Callable[[dict[str, Any]], Emit]
+
+
+class Pump:
+    def __init__(
+        self,
+        hold: Hold,
+        flow: Flow,
+        book: Book,
+        sink: Sink,
+        request_id: str,
+        access: AccessRecord | None,
+    ) -> None:
+        self.hold, self.flow, self.book, self.sink = hold, flow, book, sink
+        self.request_id, self.access = request_id, access
+        # Cleared at the first event the client gets: its time to first token.
+        self.first_pending = access is not None and not isinstance(sink, Collector)
+
+    async def pump(self, attempt: Attempt, handle: Handle) -> PumpEnd:
+        """Relay one upstream's events; say how it ended."""
+        self.flow.rank, self.flow.upstream = attempt.rank, attempt.response
+        parser = SSEParser()
+        try:
+            if self.sink.direct:
+                outcome = await self._pump_direct(attempt, parser, handle)
+            else:
+                outcome = await self._pump_awaiting(attempt, parser, handle)
+            if outcome is not None:
+                return outcome
+        except BODY_ERRORS as e:  # a client that left (ClientGone) has nothing to hold for
+            log.info("[%s] upstream %s lost: %r", self.request_id, attempt.rank.name, e)
+        finally:
+            attempt.response.close()
+            self.flow.upstream = None
+        return PumpEnd.FINISHED if self.book.finish_reason else self.fault("connection lost")
+
+    def fault(self, reason: str) -> PumpEnd:
+        self.hold.start(reason)
+        return PumpEnd.ABORTED
+
+    async def _pump_direct(
+        self, attempt: Attempt, parser: SSEParser, handle: Handle
+    ) -> PumpEnd | None:
+        """Events go to the client from the upstream's data callback (no task
+        switch per chunk); this task wakes only for an outcome, a client that
+        is not reading, or the end of the body (None)."""
+        outcome: PumpEnd | None = None
+        drain = False
+
+        def on_chunk(chunk: bytes) -> bool:
+            nonlocal outcome, drain
+            out, outcome = self._events(parser, chunk, handle)
+            if out and not self._write_now(b"".join(out)):
+                drain = True
+            return outcome is None and not drain
+
+        # The callback runs in the connection's context: give it this
+        # request's (its span parents a hold's, logs name its request id).
+        ctx = contextvars.copy_context()
+
+        def in_context(chunk: bytes) -> bool:
+            return ctx.run(on_chunk, chunk)
+
+        while True:
+            await attempt.response.deliver(in_context)
+            if outcome is not None:
+                return outcome
+            if not drain:
+                return None  # the body ended
+            drain = False
+            await self._drain()
+
+    async def _pump_awaiting(
+        self, attempt: Attempt, parser: SSEParser, handle: Handle
+    ) -> PumpEnd | None:
+        """As :meth:`_pump_direct`, for a sink that must be awaited."""
+        async for chunk in attempt.response.chunks():
+            out, outcome = self._events(parser, chunk, handle)
+            if out:
+                await self.write(b"".join(out))
+            if outcome is not None:
+                return outcome
+        return None
+
+    def _events(
+        self, parser: SSEParser, chunk: bytes, handle: Handle
+    ) -> tuple[list[bytes], PumpEnd | None]:
+        """One upstream read: the client's bytes for it (one write however
+        many events it held) and the outcome, if it ends this upstream."""
+        out: list[bytes] = []
+        outcome = None
+        try:
+            events = parser.feed(chunk)
+        except EventTooLarge as e:  # memory stays bounded: the rank is not sending SSE
+            raise StreamFailed(f"the rank sent {e}", "upstream_event_too_large") from e
+        if events:  # bytes that never make an event (a drip) are a stall, not progress
+            self.flow.last_event = time.monotonic()
+        for data in events:
+            outcome = self._on_event(data, handle, out)
+            if outcome is not None:
+                break
+        # A held stream resumes when the upstream sends on; vLLM's
+        # abort chunk is no resume: the hold goes on, one hold.
+        if self.hold.since is not None and (outcome == PumpEnd.FINISHED or (out and not outcome)):
+            self.hold.resumed()
+        return out, outcome
+
+    def _on_event(self, data: bytes, handle: Handle, out: list[bytes]) -> PumpEnd | None:
+        """Turn one upstream event into client events (appended to ``out``)."""
+        if data == DONE:
+            return PumpEnd.FINISHED if self.book.finish_reason else PumpEnd.INCOMPLETE
+        fast = self.book.on_original_bytes(data) if handle == self.book.on_original else None
+        if fast is not None:
+            for d in fast.data:
+                out.append(b"data: " + d + b"\n\n")  # event(d), inlined: per event
+            return None
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(chunk, dict):
+            return None
+        if "error" in chunk and "choices" not in chunk:
+            out.append(event(data))  # the engine's own error: pass it on, stop
+            return PumpEnd.UPSTREAM_ERROR
+        try:
+            emit: Emit = handle(chunk)
+        except SpliceFailed as e:
+            raise StreamFailed.inexact(e) from e
+        out.extend(event(d) for d in emit.data)
+        if emit.aborted:
+            self.hold.mark_faulted()
+            return self.fault("aborted by the engine")
+        if emit.finished and handle == self.book.on_continuation:
+            return PumpEnd.FINISHED  # its usage chunk is not the client's: stop here
+        return None
+
+    async def write(self, data: bytes) -> None:
+        self._first_byte(data)
+        await self._waiting(self.sink.write(data))
+
+    async def keepalive(self) -> None:
+        await self.write(KEEPALIVE)
+
+    def _write_now(self, data: bytes) -> bool:
+        """As :meth:`write`, from a data callback; False: :meth:`_drain` first."""
+        self._first_byte(data)
+        try:
+            return self.sink.write_now(data)
+        except ConnectionError as e:
+            raise ClientGone(f"the client went away: {e!r}") from e
+
+    async def _drain(self) -> None:
+        await self._waiting(self.sink.drain())
+
+    async def _waiting(self, io: Awaitable[None]) -> None:
+        """A write that may wait on the client; a failure is the client's
+        leaving, never the rank's. The rank's silence counts from its end."""
+        self.flow.writing += 1
+        try:
+            await io
+        except (ConnectionError, aiohttp.ClientError) as e:
+            raise ClientGone(f"the client went away: {e!r}") from e
+        finally:
+            self.flow.writing -= 1
+            self.flow.last_event = time.monotonic()
+
+    def _first_byte(self, data: bytes) -> None:
+        if self.first_pending and data is not KEEPALIVE and self.access is not None:
+            self.access.first_byte()
+            self.first_pending = False
