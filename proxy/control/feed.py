@@ -153,16 +153,16 @@ class Poller:
     async def _probe(self, rank: Rank) -> Engine | None:
         """Which FT API an ``auto`` rank speaks: the first status path that
         answers 200 with a status body (an ``engines`` list); none of them
-        (404, or a permissive server's 200 of another shape): no FT API.
-        Another answer decides nothing (asked again next poll)."""
+        (404, or a permissive server's answer of another shape): no FT API.
+        A 5xx decides nothing (asked again next poll)."""
         for engine in probe_order():
             assert engine.status_path is not None
             answer = await self.upstream.get(rank.url, engine.status_path, self.bound)
+            if answer.status >= 500:
+                return None  # an FT path's server error may pass: ask again
             body = _json_or_none(answer) if answer.status == 200 else None
-            if answer.status == 404 or (answer.status == 200 and not is_status(body)):
-                continue
-            if answer.status != 200:
-                return None
+            if not is_status(body):
+                continue  # 404, or another shape's answer: not this API
             found = sglang.ENGINE if sglang.looks_like(body) else engine
             return self._found(rank, found)
         return self._found(rank, HEALTH_ONLY)
