@@ -43,7 +43,8 @@ class AdminClient:
 
 def rank_table(ranks: list[dict[str, Any]]) -> Table:
     table = Table(title=f"ft-proxy ranks  {time.strftime('%H:%M:%S')}")
-    for col in ("group", "rank", "status", "routable", "weight", "in flight", "heard", "note"):
+    cols = ("group", "rank", "engine", "status", "needs", "routable", "weight", "in flight")
+    for col in (*cols, "heard", "note"):
         table.add_column(col)
     now = time.time()
     for r in ranks:
@@ -54,7 +55,9 @@ def rank_table(ranks: list[dict[str, Any]]) -> Table:
         table.add_row(
             r["group"],
             r["name"],
+            r.get("engine") or "?",  # an older proxy's table has none
             f"[{style}]{r['status']}[/]",
+            r.get("needs") or "?",
             "yes" if r["routable"] else "no",
             str(r["weight"]),
             str(r["in_flight"]),

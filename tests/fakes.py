@@ -9,6 +9,14 @@ hangs until recovery; an in-flight stream ends with one ``"abort"`` chunk and
 ``return_token_ids`` adds ``prompt_token_ids`` and ``token_ids``; a list of
 ids is accepted as a completions prompt.
 
+``shape`` makes the FT surface one of the engine APIs the proxy speaks (each
+pinned to its upstream source in tests/test_engines.py): ``vllm-0.32`` (the
+default, above), ``vllm-v1`` (``/v1/fault_tolerance/*``, a required non-empty
+``request_id`` echoed in the 202, ``scale_down``, 503 to new requests while
+faulted) and ``sglang`` (one server of ``dp_size`` DP ranks: every rank in
+the status, ``last_ft_request_id``/``ft_error`` at its top, 409
+``ft_operation_in_progress`` to a second apply, 503 ``fault_tolerance_paused``).
+
 The "model" is a deterministic autoregressive function of the whole context,
 so a duplicated or lost token changes every token after it.
 """
@@ -94,6 +102,11 @@ class PrefixCache:
 class FakeRank:
     name: str = "fake"
     status: str = "healthy"
+    shape: str = "vllm-0.32"  # the FT API: "vllm-0.32" | "vllm-v1" | "sglang"
+    dp_size: int = 2  # sglang: the DP ranks behind the one server
+    dead_dp: set[int] = field(default_factory=set)  # sglang: DP ranks whose process died
+    ft_busy: bool = False  # sglang: an apply is running
+    refused: int = 0  # new requests answered 503 while faulted
     token_delay_s: float = 0.0
     first_token_delay_s: float = 0.0  # a stream's prefill: open, nothing generated yet
     recover_delay_s: float = 0.05
@@ -184,8 +197,9 @@ class FakeRank:
             self._healthy.set()
         self._thawed.set()
         app = web.Application(middlewares=[self._frozen, self._record])
-        app.router.add_get("/fault_tolerance/status", self._status)
-        app.router.add_post("/fault_tolerance/apply", self._apply)
+        ft = "/fault_tolerance" if self.shape == "vllm-0.32" else "/v1/fault_tolerance"
+        app.router.add_get(ft + "/status", self._status)
+        app.router.add_post(ft + "/apply", self._apply)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
@@ -231,24 +245,64 @@ class FakeRank:
         entry: dict[str, Any] = {"id": 0, "status": status}
         if status != "healthy":
             entry["fault_info"] = "RuntimeError"
+        if self.shape == "sglang":
+            return web.json_response(self._sglang_status(status))
         if self.ft_error:
             entry["ft_error"] = self.ft_error
             entry["last_ft_request_id"] = self.last_ft_request_id
         return web.json_response({"schema_version": 1, "total_engines": 1, "engines": [entry]})
 
+    def _sglang_status(self, status: str) -> dict[str, Any]:
+        def of(i: int) -> str:
+            return "dead" if i in self.dead_dp else status
+
+        engines = [{"id": i, "status": of(i)} for i in range(self.dp_size)]
+        body: dict[str, Any] = {"schema_version": 1, "total_engines": self.dp_size}
+        body["engines"] = engines
+        if self.last_ft_request_id is not None:
+            body["last_ft_request_id"] = self.last_ft_request_id
+            if self.ft_error:
+                body["ft_error"] = self.ft_error
+        return body
+
     async def _apply(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.applies.append(body)
         self.status_at_apply.append(self.status)
-        request_id = str(uuid.uuid4())
+        instruction = body.get("instruction")
+        # 0.32 names the round itself; the newer shapes take the caller's id.
+        own = self.shape == "vllm-0.32"
+        request_id = str(uuid.uuid4()) if own else body.get("request_id", "")
+        if self.shape == "vllm-v1" and not (isinstance(request_id, str) and request_id.strip()):
+            return web.json_response(
+                {"detail": "'request_id' must be a non-empty string."}, status=400
+            )
+        known = {"retry"} if self.shape == "vllm-0.32" else {"retry", "scale_down"}
+        if instruction not in known:
+            detail = {"detail": f"Invalid instruction: '{instruction}'."}
+            return web.json_response(detail, status=400)
+        if self.shape == "sglang" and self.ft_busy:
+            return web.json_response({"message": "ft_operation_in_progress"}, status=409)
         if self.status != "unhealthy" or self.apply_fails:
-            self.ft_error = f"Rejecting {body.get('instruction')}: status is {self.status.upper()}"
+            self.ft_error = f"Rejecting {instruction}: status is {self.status.upper()}"
+            if self.shape == "sglang":
+                self.ft_error = f"{instruction}_requires_unresolved_expected_dp_fault"
             if self.apply_fails:
                 self.ft_error = "retry failed: gloo timeout"
             self.last_ft_request_id = request_id
         else:
-            asyncio.get_running_loop().call_later(self.recover_delay_s, self.recover)
-        return web.json_response({"request_id": request_id}, status=202)
+            self.ft_busy = True
+            asyncio.get_running_loop().call_later(self.recover_delay_s, self._applied, request_id)
+        answer = {"request_id": request_id}
+        if self.shape != "vllm-0.32":
+            answer["message"] = "Request accepted; poll /v1/fault_tolerance/status for updates."
+        return web.json_response(answer, status=202)
+
+    def _applied(self, request_id: str) -> None:
+        self.ft_busy = False
+        if self.shape == "sglang":
+            self.last_ft_request_id = request_id  # success too: ft_error left out
+        self.recover()
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({})  # stays 200 while unhealthy, as vLLM does
@@ -314,6 +368,14 @@ class FakeRank:
         if mode == "500-bytes":  # what a broken server or a proxy in between may send
             return web.Response(body=b"\xff\xfe not utf-8 \xc3", status=500,
                                 content_type="text/plain", charset="utf-8")  # fmt: skip
+        if self.shape != "vllm-0.32" and self.status != "healthy":
+            self.refused += 1  # newer engines answer at once instead of holding
+            if self.shape == "sglang":
+                return web.json_response(
+                    {"success": False, "message": "fault_tolerance_paused"}, status=503
+                )
+            error = {"message": "Engine is not healthy", "type": "EngineFaultedError", "code": 503}
+            return web.json_response({"error": error}, status=503)
         await self._healthy.wait()  # a faulted engine holds new requests
         self.cache.prefill(prompt)
         try:

@@ -171,7 +171,8 @@ async def test_auto_recovery_gives_up_after_bounded_attempts(fakes, proxy, http)
 
 
 async def test_scale_down_goes_to_survivors_and_stops_routing(fakes, proxy, http) -> None:
-    r0, r1, r2 = [await fakes(name=f"r{i}") for i in range(3)]
+    # vLLM's scale_down shape (PR #46370): 0.32 has only retry.
+    r0, r1, r2 = [await fakes(name=f"r{i}", shape="vllm-v1") for i in range(3)]
     p = await proxy(admin_settings([r0, r1, r2]))
     for r in (r0, r1, r2):
         r.fault()
@@ -301,7 +302,7 @@ async def test_a_rejected_round_is_reported_at_once(fakes, proxy, http) -> None:
 
 
 async def test_other_work_during_a_round_gets_409_and_is_not_done(fakes, proxy, http) -> None:
-    r0, r1, r2 = [await fakes(name=f"r{i}") for i in range(3)]
+    r0, r1, r2 = [await fakes(name=f"r{i}", shape="vllm-v1") for i in range(3)]
     p = await proxy(admin_settings([r0, r1, r2]))
     r0.fault()
     retry_call = asyncio.create_task(

@@ -294,6 +294,8 @@ class _RankConn(asyncio.Protocol):
         assert self.transport is not None
         if url.startswith(b"/fault_tolerance/status"):
             answer = _whole(b"200 OK", b'{"engines": [{"id": 0, "status": "healthy"}]}')
+        elif url.startswith(b"/v1/fault_tolerance/"):  # a vLLM 0.32 rank: not its API
+            answer = _whole(b"404 Not Found", b"{}")
         elif url.startswith(b"/v1/models"):
             answer = _whole(b"200 OK", b'{"object": "list", "data": [{"id": "fake-model"}]}')
         else:

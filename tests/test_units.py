@@ -7,7 +7,7 @@ import time
 from collections import Counter
 
 from proxy.control.balancer import SmoothWeightedBalancer
-from proxy.control.feed import summarize
+from proxy.control.engines import summarize
 from proxy.control.ranks import RankStatus, RankTable
 from proxy.core.settings import GroupConfig, RankConfig
 

@@ -1,7 +1,10 @@
 """Status feeds that write the rank table: HTTP polling and ZMQ push.
 
-Polling reads ``GET /fault_tolerance/status`` (vLLM's FT endpoint) and works
-with unmodified vLLM; a rank without it (404) falls back to ``GET /health``.
+Polling reads the FT status of the rank's engine API (proxy.control.engines:
+the group's ``engine``, or probed at start); only a rank found to have no FT
+API at all is polled on ``GET /health``. A rank configured or found as FT
+whose status path answers 404 is reported unknown (not routable) with a
+warning: ``/health`` stays 200 while an FT engine is faulted.
 The push feed subscribes to the engine plugin's status publisher
 (:mod:`engine_ext.protocol`) and learns of a fault in milliseconds; a rank
 whose feed falls silent for a few heartbeat intervals is made not routable
@@ -22,20 +25,27 @@ from prometheus_client import Counter
 
 from engine_ext import protocol
 from proxy.control import pushwire
+from proxy.control.engines import (
+    HEALTH_ONLY,
+    Engine,
+    by_name,
+    is_status,
+    probe_order,
+    sglang,
+    summarize,
+)
 from proxy.control.pushwire import Sequencer
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
-from proxy.core.errors import RankError
+from proxy.core.errors import BadJSON, RankError
 from proxy.core.settings import Limits, Timeouts
 from proxy.core.tasks import supervised
 from proxy.telemetry.metrics import Metrics
 from proxy.upstream import Upstream
-from proxy.upstream.bounded import Bound
+from proxy.upstream.bounded import Answer, Bound
 
 log = logging.getLogger("ftproxy.feed")
 
 K = TypeVar("K")
-
-MAX_STATUS = 64  # characters of a status kept: vLLM's are single words
 
 
 async def follow(
@@ -63,31 +73,6 @@ async def follow(
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
-def summarize(body: Any) -> tuple[RankStatus | str, dict[str, Any]]:
-    """Reduce an FT status body to one status for the rank, tolerantly.
-
-    A rank's API server normally manages one engine; if it lists several, the
-    rank is healthy only when all are, else it takes the first other status.
-    Unknown statuses are kept (lower-cased, their first MAX_STATUS
-    characters; a status that is no string is unknown) and so are not
-    routable; an entry that is no object is an engine whose status is unknown.
-    """
-    engines = body.get("engines") if isinstance(body, dict) else None
-    if not isinstance(engines, list) or not engines:
-        return RankStatus.UNKNOWN, {"body": body}
-    for entry in engines:
-        if not isinstance(entry, dict):
-            return RankStatus.UNKNOWN, {"body": body}
-        word = entry.get("status", RankStatus.UNKNOWN)
-        # A word: it goes into log lines, /admin/ranks and /metrics labels.
-        if not isinstance(word, str):
-            return RankStatus.UNKNOWN, entry
-        status = RankStatus.parse(word[:MAX_STATUS].lower())
-        if status != RankStatus.HEALTHY:
-            return status, entry
-    return RankStatus.HEALTHY, engines[0]
-
-
 class Poller:
     """One task per rank: poll its FT status every interval."""
 
@@ -104,7 +89,7 @@ class Poller:
         max_bytes = (limits or Limits()).max_status_bytes
         counter = metrics.too_large if metrics is not None else None
         self.bound = Bound("status", max_bytes, t.poll_timeout_s, counter)
-        self._no_ft: set[str] = set()  # ranks whose FT endpoint answered 404
+        self._lost: set[str] = set()  # FT ranks whose status path answered 404 (warned)
 
     async def run(self) -> None:
         await follow(
@@ -135,19 +120,64 @@ class Poller:
         )
 
     async def _read_status(self, rank: Rank) -> tuple[RankStatus | str, dict[str, Any]]:
-        if rank.name not in self._no_ft:
-            answer = await self.upstream.get(rank.url, "/fault_tolerance/status", self.bound)
-            if answer.status == 200:
-                return summarize(answer.json())
-            if answer.status != 404:
-                return RankStatus.UNHEALTHY, {"http_status": answer.status}
-            self._no_ft.add(rank.name)
-            log.info("rank %s has no FT endpoint; using /health", rank.name)
-        # Its body is read too (and bounded): an answer cut short or too long
-        # is a failed poll, whatever its status said.
-        answer = await self.upstream.get(rank.url, "/health", self.bound)
-        status = RankStatus.HEALTHY if answer.status == 200 else RankStatus.UNHEALTHY
-        return status, {"http_status": answer.status}
+        engine = by_name(rank.api) if rank.api else await self._probe(rank)
+        if engine is None:  # the probe could not tell yet
+            return RankStatus.UNKNOWN, {"reason": "engine API not known yet"}
+        if engine.status_path is None:
+            # Its body is read too (and bounded): an answer cut short or too
+            # long is a failed poll, whatever its status said.
+            answer = await self.upstream.get(rank.url, "/health", self.bound)
+            status = RankStatus.HEALTHY if answer.status == 200 else RankStatus.UNHEALTHY
+            return status, {"http_status": answer.status}
+        answer = await self.upstream.get(rank.url, engine.status_path, self.bound)
+        # Not JSON (or too deep): a failed poll, as any answer cut short.
+        body = answer.json() if answer.status == 200 else None
+        if answer.status == 200 and is_status(body):
+            self._lost.discard(rank.name)
+            return engine.parse(body)
+        if answer.status in (200, 404):  # no such path, or a permissive server's answer
+            if rank.name not in self._lost:
+                self._lost.add(rank.name)
+                log.warning(
+                    "rank %s (%s) answers %d without an FT status on %s: status unknown, "
+                    "not routable (not trusting /health, which stays 200 while an engine "
+                    "is faulted)",
+                    rank.name,
+                    engine.name,
+                    answer.status,
+                    engine.status_path,
+                )
+            return RankStatus.UNKNOWN, {"http_status": answer.status, "path": engine.status_path}
+        return RankStatus.UNHEALTHY, {"http_status": answer.status}
+
+    async def _probe(self, rank: Rank) -> Engine | None:
+        """Which FT API an ``auto`` rank speaks: the first status path that
+        answers 200 with a status body (an ``engines`` list); none of them
+        (404, or a permissive server's answer of another shape): no FT API.
+        A 5xx decides nothing (asked again next poll)."""
+        for engine in probe_order():
+            assert engine.status_path is not None
+            answer = await self.upstream.get(rank.url, engine.status_path, self.bound)
+            if answer.status >= 500:
+                return None  # an FT path's server error may pass: ask again
+            body = _json_or_none(answer) if answer.status == 200 else None
+            if not is_status(body):
+                continue  # 404, or another shape's answer: not this API
+            found = sglang.ENGINE if sglang.looks_like(body) else engine
+            return self._found(rank, found)
+        return self._found(rank, HEALTH_ONLY)
+
+    def _found(self, rank: Rank, engine: Engine) -> Engine:
+        rank.api = engine.name
+        log.info("rank %s speaks %s (probed)", rank.name, engine.name)
+        return engine
+
+
+def _json_or_none(answer: Answer) -> Any:
+    try:
+        return answer.json()
+    except BadJSON:
+        return None
 
 
 class PushFeed:

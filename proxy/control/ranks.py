@@ -72,6 +72,10 @@ class Rank:
     weight: int
     status_feed: str | None = None
     dp_rank: int = 0
+    # Its group's ``engine`` setting, and the FT API it speaks (the setting,
+    # or what probing found; "" until known): proxy.control.engines.
+    engine: str = "auto"
+    api: str = ""
     status: RankStatus | str = RankStatus.UNKNOWN  # see RankStatus.parse
     fault_info: str | None = None
     # Last status entry as the rank reported it, unknown fields included.
@@ -132,6 +136,7 @@ class Rank:
             "url": self.url,
             "group": self.group,
             "dp_rank": self.dp_rank,
+            "engine": self.api or self.engine,
             "weight": self.weight,
             "removed": self.removed,
             "status": self.status,
@@ -175,7 +180,9 @@ class RankTable:
         Removed ranks leave the table; streams already on them hold their own
         reference and are untouched. A rank whose url changed starts afresh.
         """
+        groups = list(groups)
         wanted = {r.name: (g.name, i, r) for g in groups for i, r in enumerate(g.ranks)}
+        engines = {g.name: g.engine for g in groups}
         diff: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
         for name in [n for n in self.ranks if n not in wanted]:
             del self.ranks[name]
@@ -183,9 +190,16 @@ class RankTable:
         for name, (group, index, cfg) in wanted.items():
             rank = self.ranks.get(name)
             dp_rank = cfg.dp_rank if cfg.dp_rank is not None else index
-            if rank is None or rank.url != cfg.url or rank.status_feed != cfg.status_feed:
+            engine = engines[group]
+            if rank is None or (rank.url, rank.status_feed, rank.engine) != (
+                cfg.url,
+                cfg.status_feed,
+                engine,
+            ):
                 diff["added" if rank is None else "changed"].append(name)
-                self.ranks[name] = Rank(name, cfg.url, group, cfg.weight, cfg.status_feed)
+                rank = Rank(name, cfg.url, group, cfg.weight, cfg.status_feed, engine=engine)
+                rank.api = "" if engine == "auto" else engine
+                self.ranks[name] = rank
             elif (rank.weight, rank.group) != (cfg.weight, group):
                 diff["changed"].append(name)
                 rank.weight, rank.group = cfg.weight, group

@@ -1,13 +1,15 @@
-"""Recovery rounds: drive vLLM's FT ``retry`` (and ``scale_down``) for a group.
+"""Recovery rounds: drive an engine's FT ``retry`` (and ``scale_down``) for a group.
 
-A round for a group:
+How an instruction is sent, and which a rank's engine has, is its adapter's
+(:mod:`proxy.control.engines`). A round for a group:
 
-1. **precondition** - wait (bounded) until every rank of the group is
+1. **precondition** - the instruction must exist for every rank's engine and
+   be allowed in its state (else nothing is sent); wait (bounded) until every rank of the group is
    ``unhealthy``; peers inside their collective timeout still say healthy. A
    group with a ``dead`` rank is never retried (restart needed), and a round
    is never sent to a group that is not fully unhealthy;
-2. **fan-out** - POST ``/fault_tolerance/apply`` to every rank at once, with
-   one shared round id (also in the body, which newer vLLM needs);
+2. **fan-out** - POST the engine's apply path to every rank at once, with
+   one shared, non-empty round id in the body;
 3. **watch** - until every rank is healthy, or one reports ``ft_error`` for
    this round, turns dead, or the deadline passes; then report per rank.
 
@@ -30,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from proxy.control import engines
 from proxy.control.ranks import Rank, RankStatus, RankTable
 from proxy.core.errors import ProxyError, RankError, RoundInProgress
 from proxy.core.retry import RetryPolicy
@@ -48,6 +51,7 @@ class Outcome(StrEnum):
     FAILED = "failed"
     NOT_UNHEALTHY = "not_unhealthy"  # nothing sent: the group never got fully unhealthy
     RESTART_NEEDED = "restart_needed"  # nothing sent: a rank is dead
+    NOT_SUPPORTED = "not_supported"  # nothing sent: an engine lacks the instruction
     RUNNING = "running"
 
     @classmethod
@@ -253,6 +257,11 @@ class Recovery:
         return [r for r in group if r.name in spec.targets]
 
     async def _precondition(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> bool:
+        lacking = [f"{r.name}: {why}" for r in ranks if (why := engines.lacks(r, spec.instruction))]
+        if lacking:
+            report.outcome, report.message = Outcome.NOT_SUPPORTED, "; ".join(lacking)
+            return False
+
         def settled() -> bool:
             return all(r.status == RankStatus.UNHEALTHY for r in ranks) or any(
                 r.status == RankStatus.DEAD for r in ranks
@@ -266,6 +275,14 @@ class Recovery:
             report.outcome = Outcome.RESTART_NEEDED
             report.message = f"dead rank(s) {', '.join(dead)}: restart the group; not retried"
             return False
+        blocked = [
+            f"{r.name}: {why}"
+            for r in ranks
+            if (why := engines.by_name(r.api).blocker(spec.instruction, r)) is not None
+        ]
+        if blocked:
+            report.outcome, report.message = Outcome.RESTART_NEEDED, "; ".join(blocked)
+            return False
         laggards = [f"{r.name} is {r.status}" for r in ranks if r.status != RankStatus.UNHEALTHY]
         if laggards:
             report.outcome = Outcome.NOT_UNHEALTHY
@@ -277,31 +294,33 @@ class Recovery:
         return True
 
     async def _fan_out(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> None:
-        body = {
-            "instruction": spec.instruction,
-            "params": spec.params,
-            "request_id": report.round_id,
-        }
         await asyncio.gather(
-            *(self._apply(rank, body, rr) for rank, rr in zip(ranks, report.ranks, strict=True))
+            *(
+                self._apply(rank, engines.by_name(rank.api), spec, report.round_id, rr)
+                for rank, rr in zip(ranks, report.ranks, strict=True)
+            )
         )
 
-    async def _apply(self, rank: Rank, body: dict[str, Any], rr: RankReport) -> None:
+    async def _apply(
+        self, rank: Rank, engine: engines.Engine, spec: RoundSpec, round_id: str, rr: RankReport
+    ) -> None:
+        assert engine.apply_path is not None  # the precondition saw the instruction
+        body = engine.apply_body(spec.instruction, spec.params, round_id)
         try:
-            reply = await self.upstream.post_json(
-                rank.url, "/fault_tolerance/apply", body, self._answers
-            )
+            reply = await self.upstream.post_json(rank.url, engine.apply_path, body, self._answers)
             rr.http_status = reply.status
             answer = reply.json()
         except RankError as e:
             rr.http_status = e.status  # kept when the body was not read
             rr.error = f"{type(e).__name__}: {e}"
             return
-        rr.sent = rr.http_status == 202
+        rr.sent = engine.accepted(reply.status)
         if isinstance(answer, dict):
             rr.engine_request_id = answer.get("request_id")
             if not rr.sent:
-                rr.error = str(answer.get("detail") or answer.get("error") or answer)
+                # vLLM's FastAPI says "detail", SGLang's manager "message".
+                why = answer.get("detail") or answer.get("error") or answer.get("message")
+                rr.error = str(why or answer)
 
     async def _watch(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> None:
         ids = {rr.engine_request_id for rr in report.ranks} | {report.round_id}

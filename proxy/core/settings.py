@@ -78,6 +78,8 @@ class AutoRecoveryConfig(BaseModel):
 class GroupConfig(BaseModel):
     name: str = Field(min_length=1)
     ranks: list[RankConfig] = Field(min_length=1)
+    # The FT API its ranks speak (proxy.control.engines); auto: probed at start.
+    engine: Literal["auto", "vllm-0.32", "vllm-v1", "sglang", "none"] = "auto"
     auto_recovery: AutoRecoveryConfig = AutoRecoveryConfig()
 
 

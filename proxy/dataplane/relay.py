@@ -18,6 +18,7 @@ from typing import Any
 
 from multidict import CIMultiDict
 
+from proxy.control import engines
 from proxy.control.balancer import SmoothWeightedBalancer
 from proxy.control.prefix import PrefixRouter, RouteKey, route_key
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
@@ -159,7 +160,8 @@ class Relay:
         tried: set[str] = set()
         failures: list[str] = []
         queue = Queue(self.settings.timeouts.queue_s if queue_s is None else queue_s)
-        for _ in range(1 + self.settings.limits.upstream_retries):
+        tries = 1 + self.settings.limits.upstream_retries
+        while tries > 0:
             if not out.may_send():
                 failures.append("no upstream request left in this request's budget")
                 break
@@ -172,7 +174,11 @@ class Relay:
             else:
                 attempt = await self._try_traced(self.tracing, rank, out, failures)
             if attempt is None:
+                tries -= 1
                 continue
+            if self._refused(attempt, failures):
+                continue  # not the rank's answer: another's or, after the wait, its own
+            tries -= 1
             if attempt.response.status < 500 or self._last_try(tried, out):
                 if (rec := accesslog.current()) is not None:
                     rec.served_by(rank.name, rank.group)
@@ -241,6 +247,26 @@ class Relay:
             return None
         self.metrics.child(self.metrics.ttfb, rank.name).observe(time.monotonic() - started)
         return Attempt(rank, resp, started)
+
+    def _refused(self, attempt: Attempt, failures: list[str]) -> bool:
+        """A 503 from an engine that answers so while faulted (vLLM v1's
+        ``EngineFaultedError``, SGLang's ``fault_tolerance_paused``): its
+        rank is out of rotation until a poll says otherwise, and the request
+        goes elsewhere or waits as a new one does; never the client's answer.
+        A rank back within the wait counts again (the loop is bounded by the
+        request's budget and the queue time)."""
+        rank, engine = attempt.rank, engines.of(attempt.rank)
+        if attempt.response.status != 503 or engine is None or not engine.refuses_when_faulted:
+            return False
+        attempt.response.release()
+        failures.append(f"{rank.name}: engine faulted (503)")
+        self.metrics.upstream_errors.labels(rank.name, "faulted_503").inc()
+        detail = {"http_status": 503, "reason": "new requests refused (engine faulted)"}
+        unhealthy = RankStatus.UNHEALTHY
+        self.table.observe(
+            rank.name, None, Source.RELAY, reachable=True, status=unhealthy, detail=detail
+        )
+        return True
 
     async def _try_traced(
         self, tracing: Tracing, rank: Rank, out: Outbound, failures: list[str]

@@ -15,8 +15,9 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, Field, SecretStr, ValidationError
 
+from proxy.control import engines
 from proxy.control.coordination import COORD
-from proxy.control.ranks import RankTable
+from proxy.control.ranks import Rank, RankTable
 from proxy.control.recovery import Outcome, RoundReport, RoundSpec, Trigger
 from proxy.core.bodies import parse_object
 from proxy.core.errors import AdminOff, BadRequest, NoLeader, NotFound, ProxyError, Unauthorized
@@ -70,7 +71,9 @@ class RetryBody(BaseModel, extra="forbid"):
 
 
 class ScaleDownBody(RetryBody):
-    removed: list[str] = Field(min_length=1)  # rank names
+    removed: list[str] = []  # rank names (vLLM: one rank per DP rank)
+    # SGLang: one server fronts its DP ranks; they are named by number.
+    removed_dp_ranks: list[int] = Field([], max_length=1024)
     dp_master_ip: str | None = None
     dp_store_port: int | None = Field(None, gt=0, lt=65536)
 
@@ -111,12 +114,22 @@ def _report_response(report: RoundReport) -> Response:
 
 
 async def ranks(request: Request) -> Response:
-    entries = [r.snapshot() for r in request.app[TABLE]]
+    entries = [_entry(r) for r in request.app[TABLE]]
     if (router := request.app[RELAY].router) is not None:
         sizes = router.sizes()  # cache-aware routing: each rank's prefix index
         for entry in entries:
             entry["prefix_index_blocks"] = sizes.get(entry["name"], 0)
     return json_response({"ranks": entries})
+
+
+def _entry(rank: Rank) -> dict[str, Any]:
+    entry = rank.snapshot()
+    engine = engines.of(rank)
+    # What its group needs next (ft-proxy status): wait, retry or restart.
+    entry["needs"] = engine.needs(rank) if engine is not None else "wait"
+    if rank.group_reason is not None and entry["needs"] == "-":
+        entry["needs"] = "wait"  # a peer's fault: its group's round decides
+    return entry
 
 
 async def patch_rank(request: Request) -> Response:
@@ -147,6 +160,14 @@ async def scale_down(request: Request) -> Response:
     body: ScaleDownBody = await _body(request, ScaleDownBody)
     _group_or_404(request, body.group)
     group = request.app[TABLE].group(body.group)
+    # Checked before anything is sent: the engine must have the instruction.
+    lacking = [f"{r.name}: {why}" for r in group if (why := engines.lacks(r, "scale_down"))]
+    if lacking:
+        raise BadRequest("scale_down is not possible: " + "; ".join(lacking))
+    if all(r.api == "sglang" for r in group):
+        return await _scale_down_servers(request, body, group)
+    if not body.removed:
+        raise BadRequest("scale_down needs the names of the ranks to remove (removed)")
     by_name = {r.name: r for r in group}
     unknown = [n for n in body.removed if n not in by_name]
     if unknown:
@@ -178,6 +199,15 @@ async def scale_down(request: Request) -> Response:
             by_name[name].removed = True  # and stop judging the group by them
         request.app[TABLE].notify()
     return _report_response(report)
+
+
+async def _scale_down_servers(request: Request, body: ScaleDownBody, group: list[Rank]) -> Response:
+    """SGLang: each server drops DP ranks of its own; it stays in rotation."""
+    if not body.removed_dp_ranks or body.removed:
+        raise BadRequest("an SGLang group's scale_down names removed_dp_ranks, not ranks")
+    params: dict[str, Any] = {"removed_dp_ranks": sorted(set(body.removed_dp_ranks))}
+    spec = RoundSpec(body.group, "scale_down", params, None, body.wait_unhealthy_s, body.recover_s)
+    return _report_response(await request.app[COORD].run_round(spec, Trigger.ADMIN))
 
 
 async def rounds(request: Request) -> Response:
