@@ -49,7 +49,8 @@ async def recovered_once_more(a: FakeRank, b: FakeRank, n: int, within: float = 
 
 
 async def test_three_replicas_two_workers_one_etcd(fakes, replica, etcd) -> None:
-    a, b = await fakes(name="a"), await fakes(name="b")
+    # vLLM v1's FT API: it has the scale_down this test ends with (0.32 has only retry).
+    a, b = await fakes(name="a", shape="vllm-v1"), await fakes(name="b", shape="vllm-v1")
     reps = [await replica([a, b], workers=2, auto=True, extra=coordinated(etcd))
             for _ in range(3)]  # fmt: skip
     # One fault: exactly one retry per rank, with auto-recovery on in all six.
@@ -186,7 +187,7 @@ async def test_each_group_has_its_own_leader(fakes, replica, etcd) -> None:
 
 @pytest.mark.parametrize("backend", ["etcd", "flock"])
 async def test_a_scale_down_reaches_every_process(etcd, fakes, replica, backend) -> None:
-    a, b, c = [await fakes(name=n) for n in "abc"]
+    a, b, c = [await fakes(name=n, shape="vllm-v1") for n in "abc"]  # has scale_down
     if backend == "etcd":  # two replicas x two workers
         extra = coordinated(etcd)
         reps = [await replica([a, b, c], workers=2, extra=extra) for _ in range(2)]
