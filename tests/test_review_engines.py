@@ -1,0 +1,109 @@
+"""Adversarial checks of the engine adapters and the 503-from-rank path."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.test_engines import settings
+
+
+@pytest.mark.parametrize("shape", ["vllm-v1", "sglang"])
+async def test_a_rank_refusing_503_forever_ends_in_a_clear_error_not_a_hot_loop(
+    fakes, proxy, http, shape
+) -> None:
+    # Its status lags (says healthy) while every request gets the 503: each
+    # poll brings it back, each try takes it out again. The request must end
+    # within its queue time with an OpenAI-shaped error, and the proxy must
+    # not hammer the rank meanwhile.
+    a = await fakes(name="a", shape=shape, reports_fault=False)
+    p = await proxy(settings([a], timeouts={"queue_s": 1.0}))
+    a.fault()
+    started = time.monotonic()
+    async with http.post(p.url + "/v1/completions", json={"prompt": "x"}) as r:
+        body = await r.json(content_type=None)
+        code = r.status
+    took = time.monotonic() - started
+    assert code in (502, 503, 504), (code, body)
+    assert isinstance(body.get("error"), dict) and body["error"].get("message"), body
+    assert took < 3.0, took
+    # one try per poll that brings it back at most (poll 0.05 s, 1 s queue)
+    assert a.refused <= 40, a.refused
+
+
+async def test_a_probe_answered_429_decides_nothing(proxy) -> None:
+    # A rank too busy (429) or not ready for its FT path says nothing about
+    # which API it speaks; taken as "no FT API", the rank is judged on
+    # /health for good, which stays 200 while its engine is faulted.
+    from aiohttp import web
+
+    from proxy.ingress.state import TABLE
+    from tests.conftest import FAST_POLL_S
+
+    asked = {"n": 0}
+
+    async def status(request: web.Request) -> web.Response:
+        asked["n"] += 1
+        if asked["n"] <= 2:
+            return web.json_response({"error": "slow down"}, status=429)
+        return web.json_response({"schema_version": 1, "total_engines": 1,
+                                  "engines": [{"id": 0, "status": "unhealthy"}]})  # fmt: skip
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/v1/fault_tolerance/status", status)
+    app.router.add_route("*", "/{tail:.*}", ok)  # /health: 200, as while faulted
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        from proxy.core.settings import Settings
+
+        s = Settings(
+            listen={"host": "127.0.0.1", "port": 0},
+            groups=[{"name": "g", "engine": "auto", "ranks": [{"name": "a", "url": url}]}],
+            timeouts={"poll_interval_s": FAST_POLL_S, "queue_s": 1.0},
+        )
+        p = await proxy(s, wait_routable=False)
+        table = p.app[TABLE]
+        import asyncio
+
+        await asyncio.sleep(FAST_POLL_S * 10)
+        rank = table.ranks["a"]
+        assert rank.api == "vllm-v1", rank.api
+        assert not rank.routable  # its engine is faulted
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_rank_restarted_with_an_ft_api_is_probed_again(fakes, proxy) -> None:
+    # Probed while it had no FT API (both paths 404): health-only. Restarted
+    # on the same address with one (an upgrade, a flag turned on), the proxy
+    # must learn it, or it routes on /health into a faulted engine.
+    import asyncio
+
+    from proxy.ingress.state import TABLE
+    from tests.conftest import FAST_POLL_S
+    from tests.fakes import FakeRank
+
+    a = await fakes(name="a", shape="vllm-v1", has_ft=False)
+    port = int(a.url.rsplit(":", 1)[1])
+    p = await proxy(settings([a]))
+    table = p.app[TABLE]
+    assert table.ranks["a"].api == "none"
+    await a.stop()
+    assert await table.wait_for(lambda: not table.ranks["a"].routable, 2.0)
+    b = await FakeRank(name="a", shape="vllm-v1").start(port)
+    try:
+        b.fault()  # /health stays 200; its FT status says unhealthy
+        await asyncio.sleep(FAST_POLL_S * 20)
+        rank = table.ranks["a"]
+        assert rank.api == "vllm-v1", rank.api
+        assert not rank.routable
+    finally:
+        await b.stop()
