@@ -107,3 +107,29 @@ async def test_a_rank_restarted_with_an_ft_api_is_probed_again(fakes, proxy) -> 
         assert not rank.routable
     finally:
         await b.stop()
+
+
+async def test_sglang_retry_after_a_scale_down_is_not_blocked_by_the_removed_dp_ranks(
+    fakes, proxy, http
+) -> None:
+    # proxy/control/engines/sglang.py says dead DP ranks beside healthy ones
+    # are the ranks a scale_down took. Those are no longer expected
+    # processes: a later fault's retry must not be refused as restart_needed.
+    from proxy.ingress.state import TABLE
+    from tests.test_engines import call
+
+    s = await fakes(name="s", shape="sglang", dp_size=4)
+    p = await proxy(settings([s]))
+    s.fault()
+    body = {"group": "g", "removed_dp_ranks": [3], "wait_unhealthy_s": 1}
+    code, report = await call(http, "POST", p.url + "/admin/scale_down", body)
+    assert code == 200 and report["outcome"] == "recovered", report
+    s.dead_dp.add(3)  # the server reports the removed DP rank so from now on
+    table = p.app[TABLE]
+    assert await table.wait_for(lambda: table.ranks["s"].routable, 1.0)
+    s.fault()  # a later fault among the survivors
+    assert await table.wait_for(lambda: table.ranks["s"].status == "unhealthy", 1.0)
+    _, report = await call(
+        http, "POST", p.url + "/admin/retry", {"group": "g", "wait_unhealthy_s": 1}
+    )
+    assert report["outcome"] == "recovered", report
