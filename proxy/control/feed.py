@@ -113,6 +113,8 @@ class Poller:
             # A failure is known only now: stamped now, so it outranks every
             # answer before it and holds until a newer poll succeeds.
             reason = f"poll failed: {type(e).__name__}"
+            if rank.engine == "auto":
+                rank.api = ""  # it may come back another build: probe it again
             self.table.observe(rank.name, None, Source.POLL, reachable=False, reason=reason)
             return
         self.table.observe(
@@ -153,13 +155,15 @@ class Poller:
     async def _probe(self, rank: Rank) -> Engine | None:
         """Which FT API an ``auto`` rank speaks: the first status path that
         answers 200 with a status body (an ``engines`` list); none of them
-        (404, or a permissive server's answer of another shape): no FT API.
-        A 5xx decides nothing (asked again next poll)."""
+        (404, or a permissive server's 200 of another shape): no FT API.
+        Any other answer (a 5xx, 429, 401 before a key is set) decides
+        nothing: asked again next poll, since "no FT API" would trust
+        ``/health``, which stays 200 while an engine is faulted."""
         for engine in probe_order():
             assert engine.status_path is not None
             answer = await self.upstream.get(rank.url, engine.status_path, self.bound)
-            if answer.status >= 500:
-                return None  # an FT path's server error may pass: ask again
+            if answer.status not in (200, 404):
+                return None
             body = _json_or_none(answer) if answer.status == 200 else None
             if not is_status(body):
                 continue  # 404, or another shape's answer: not this API

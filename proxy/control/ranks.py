@@ -100,6 +100,9 @@ class Rank:
     pushed_at: float = 0.0  # wall clock of the last status-feed message (heartbeats too)
     # Left its DP group (scale_down): its state no longer stalls the peers.
     removed: bool = False
+    # SGLang: DP ranks a scale_down through this process removed. Its status
+    # says "dead" for them as for a lost process, and only a lost one blocks a retry.
+    removed_dp: frozenset[int] = frozenset()
     # Why its group cannot take work (a peer's state), kept by the table.
     group_reason: str | None = None
     # Model names it serves (its /v1/models), None until learned.

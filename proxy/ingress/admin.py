@@ -207,7 +207,11 @@ async def _scale_down_servers(request: Request, body: ScaleDownBody, group: list
         raise BadRequest("an SGLang group's scale_down names removed_dp_ranks, not ranks")
     params: dict[str, Any] = {"removed_dp_ranks": sorted(set(body.removed_dp_ranks))}
     spec = RoundSpec(body.group, "scale_down", params, None, body.wait_unhealthy_s, body.recover_s)
-    return _report_response(await request.app[COORD].run_round(spec, Trigger.ADMIN))
+    report = await request.app[COORD].run_round(spec, Trigger.ADMIN)
+    if report.outcome == Outcome.RECOVERED:
+        for rank in group:
+            rank.removed_dp |= frozenset(params["removed_dp_ranks"])
+    return _report_response(report)
 
 
 async def rounds(request: Request) -> Response:

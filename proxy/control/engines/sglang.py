@@ -51,7 +51,7 @@ class SGLang(Engine):
     def blocker(self, instruction: str, rank: Rank) -> str | None:
         if (why := super().blocker(instruction, rank)) is not None:
             return why
-        dead = rank.detail.get("dead_dp_ranks")
+        dead = [d for d in rank.detail.get("dead_dp_ranks") or () if d not in rank.removed_dp]
         if instruction == "retry" and dead:
             return f"DP ranks {dead} are dead: retry needs every process alive; restart"
         return None
