@@ -95,18 +95,24 @@ def rank_command(cfg: RigConfig, rank: int) -> list[str]:
         "--served-model-name": SERVED_MODEL,
         "--host": cfg.host,
         "--port": str(cfg.base_port + rank),
-        "--data-parallel-size": str(cfg.ranks),
-        "--data-parallel-rank": str(rank),
-        "--data-parallel-address": cfg.host,
-        "--data-parallel-rpc-port": str(cfg.rpc_port),
-        "--all2all-backend": "nixl_ep",  # FT checks the name only
-        "--fault-tolerance-config": ft_config,
         "--cpu-distributed-timeout-seconds": str(cfg.collective_timeout_s),
         "--dtype": DTYPE,
         "--max-model-len": "512",
         "--max-num-seqs": "16",
     }
-    flags = ["--enable-fault-tolerance", "--enforce-eager"]
+    flags = ["--enforce-eager"]
+    # vLLM 0.32's FT needs external-LB DP, which it refuses for DP size 1: a
+    # one-rank rig (the prefix bench's independent ranks) runs without FT.
+    if cfg.ranks > 1:
+        options |= {
+            "--data-parallel-size": str(cfg.ranks),
+            "--data-parallel-rank": str(rank),
+            "--data-parallel-address": cfg.host,
+            "--data-parallel-rpc-port": str(cfg.rpc_port),
+            "--all2all-backend": "nixl_ep",  # FT checks the name only
+            "--fault-tolerance-config": ft_config,
+        }
+        flags.append("--enable-fault-tolerance")
     if not cfg.log_stats:
         flags.append("--disable-log-stats")
     pairs = [part for option in options.items() for part in option]
