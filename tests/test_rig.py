@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rig.launcher import Rig, RigConfig
+from rig.launcher import Rig, RigConfig, rank_command
 
 
 def _listening(port: int) -> socket.socket:
@@ -128,3 +128,16 @@ def test_warm_up_recovers_a_group_its_first_step_faulted(
     assert len(group.retries) == 1
     assert group.retries[0]["instruction"] == "retry"
     assert group.retries[0]["request_id"].startswith("rig-warm-up-")
+
+
+def test_a_one_rank_rig_runs_without_dp_and_ft_flags() -> None:
+    # Measured on vLLM 0.32: --data-parallel-rank with DP size 1 fails
+    # ("data_parallel_external_lb can only be set when data_parallel_size > 1")
+    # and FT without it fails ("Fault tolerance requires external load
+    # balancer mode"). A group of two keeps both.
+    one = rank_command(RigConfig(ranks=1), 0)
+    assert not [a for a in one if a.startswith("--data-parallel") or "fault-tolerance" in a]
+    two = rank_command(RigConfig(ranks=2), 1)
+    assert "--enable-fault-tolerance" in two and "--fault-tolerance-config" in two
+    assert two[two.index("--data-parallel-rank") + 1] == "1"
+    assert two[two.index("--data-parallel-size") + 1] == "2"
