@@ -60,7 +60,7 @@ class Options:
     fault_turn: int = 2  # the fault comes after this turn ...
     fault_turns: int = 2  # ... and lasts this many turns
     max_tokens: int = 16
-    block_size: int = 16
+    block_size: int = 32  # vLLM CPU attention takes multiples of 32 only
     seed: int = 25
     work: Path = Path(".rig/bench-prefix")
 
