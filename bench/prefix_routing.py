@@ -246,13 +246,11 @@ async def run_policy(policy: str, running: list[Rig], opts: Options) -> dict[str
 def proxy_settings(policy: str, running: list[Rig], opts: Options) -> Any:
     from proxy.core.settings import Settings
 
+    # No status_feed: a one-rank rig runs without FT (vLLM 0.32 refuses FT at
+    # DP size 1), and the plugin publishes only with FT on; a silent feed would
+    # keep the rank out of rotation. Polls of /health see the SIGSTOP.
     groups = [
-        {
-            "name": f"g-r{i}",
-            "ranks": [
-                {"name": f"r{i}", "url": rig.cfg.url(0), "status_feed": rig.cfg.status_feed(0)}
-            ],
-        }
+        {"name": f"g-r{i}", "ranks": [{"name": f"r{i}", "url": rig.cfg.url(0)}]}
         for i, rig in enumerate(running)
     ]
     return Settings(
