@@ -338,12 +338,18 @@ async def test_scale_down_on_vllm_032_is_refused_before_sending(fakes, proxy, ht
     assert all(r.applies == [] for r in ranks)
 
 
-async def test_sglang_scale_down_names_dp_ranks_and_keeps_the_server(fakes, proxy, http) -> None:
+async def sglang_scaled_down(fakes: Any, proxy: Any, http: Any) -> tuple[Any, Any, int, Any]:
+    """An SGLang server of 4 DP ranks, faulted, and DP rank 3 scaled down."""
     s = await fakes(name="s", shape="sglang", dp_size=4)
     p = await proxy(settings([s]))
     s.fault()
     body = {"group": "g", "removed_dp_ranks": [3], "wait_unhealthy_s": 1}
     code, report = await call(http, "POST", p.url + "/admin/scale_down", body)
+    return s, p, code, report
+
+
+async def test_sglang_scale_down_names_dp_ranks_and_keeps_the_server(fakes, proxy, http) -> None:
+    s, p, code, report = await sglang_scaled_down(fakes, proxy, http)
     assert code == 200 and report["outcome"] == "recovered", report
     assert s.applies[0]["params"] == {"removed_dp_ranks": [3]} and s.applies[0]["request_id"]
     assert p.app[TABLE].ranks["s"].routable

@@ -1,4 +1,5 @@
-"""Adversarial checks of the engine adapters and the 503-from-rank path."""
+"""Engine adapters at their edges: probes answered oddly, a rank restarted as
+another build, a 503 that never ends, SGLang after a scale_down."""
 
 from __future__ import annotations
 
@@ -116,13 +117,9 @@ async def test_sglang_retry_after_a_scale_down_is_not_blocked_by_the_removed_dp_
     # are the ranks a scale_down took. Those are no longer expected
     # processes: a later fault's retry must not be refused as restart_needed.
     from proxy.ingress.state import TABLE
-    from tests.test_engines import call
+    from tests.test_engines import call, sglang_scaled_down
 
-    s = await fakes(name="s", shape="sglang", dp_size=4)
-    p = await proxy(settings([s]))
-    s.fault()
-    body = {"group": "g", "removed_dp_ranks": [3], "wait_unhealthy_s": 1}
-    code, report = await call(http, "POST", p.url + "/admin/scale_down", body)
+    s, p, code, report = await sglang_scaled_down(fakes, proxy, http)
     assert code == 200 and report["outcome"] == "recovered", report
     s.dead_dp.add(3)  # the server reports the removed DP rank so from now on
     table = p.app[TABLE]
