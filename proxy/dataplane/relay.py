@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 
 from proxy.control import engines
 from proxy.control.balancer import SmoothWeightedBalancer
+from proxy.control.liveness import Liveness, Ticket
 from proxy.control.prefix import PrefixRouter, RouteKey, route_key
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
 from proxy.core.errors import (
@@ -64,6 +65,9 @@ class Outbound:
     # continuation's request ran on.
     route: RouteKey | None = None
     prefer: str | None = None
+    # The client asked for a stream: its first event is due after the prefill,
+    # which the rank's liveness judges (proxy.control.liveness).
+    stream: bool = False
 
     def may_send(self) -> bool:
         return self.max_sent is None or self.sent < self.max_sent
@@ -74,6 +78,7 @@ class Attempt:
     rank: Rank
     response: RankResponse
     started: float
+    ticket: Ticket  # its progress, as the rank's liveness sees it
 
 
 class Forwarding:
@@ -139,6 +144,7 @@ class Relay:
         self.waiting = 0  # requests waiting for a healthy rank (limits.max_queued)
         self.held = HeldStreams(settings.limits.max_held_streams)
         self.tracing: Tracing | None = None  # set by the app when tracing is on
+        self.liveness = Liveness(table, settings.liveness, metrics)
 
     async def forward(self, reply: Reply, out: Outbound) -> None:
         """Open ``out`` on a healthy rank and pass its answer on as it is."""
@@ -190,6 +196,17 @@ class Relay:
         raise UpstreamFailed("no rank could take the request: " + "; ".join(failures))
 
     async def _try(self, rank: Rank, out: Outbound, failures: list[str]) -> Attempt | None:
+        ticket = self.liveness.sent(rank.name, len(out.body), out.stream)
+        attempt = None
+        try:
+            attempt = await self._send(rank, out, failures, ticket)
+        finally:
+            ticket.answered(attempt.response if attempt is not None else None)
+        return attempt
+
+    async def _send(
+        self, rank: Rank, out: Outbound, failures: list[str], ticket: Ticket
+    ) -> Attempt | None:
         started = time.monotonic()
         url = upstream_url(rank.url, out.path)
         try:
@@ -246,7 +263,7 @@ class Relay:
             )
             return None
         self.metrics.child(self.metrics.ttfb, rank.name).observe(time.monotonic() - started)
-        return Attempt(rank, resp, started)
+        return Attempt(rank, resp, started, ticket)
 
     def _refused(self, attempt: Attempt, failures: list[str]) -> bool:
         """A 503 from an engine that answers so while faulted (vLLM v1's
@@ -427,6 +444,7 @@ class Relay:
             rec = accesslog.current()
             try:
                 async for chunk in up.chunks():
+                    attempt.ticket.heard()
                     if rec is not None:
                         rec.first_byte()
                         rec = None

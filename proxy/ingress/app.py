@@ -16,6 +16,7 @@ from proxy.control import models
 from proxy.control.coordination import COORD, Coordination
 from proxy.control.coordination.backend import for_settings
 from proxy.control.feed import Poller, PushFeed
+from proxy.control.healthmetric import Scraper
 from proxy.control.ranks import RankTable
 from proxy.control.recovery import AutoRecovery, Recovery
 from proxy.core.bodies import check_fields
@@ -194,6 +195,15 @@ async def _poll(app: web.Application) -> None:
     await Poller(app[TABLE], app[UPSTREAM], settings.timeouts, app[METRICS], settings.limits).run()
 
 
+async def _scrape(app: web.Application) -> None:
+    s = app[SETTINGS]
+    await Scraper(app[TABLE], app[UPSTREAM], s.timeouts, s.limits, app[METRICS]).run()
+
+
+async def _liveness(app: web.Application) -> None:
+    await app[RELAY].liveness.run(app[UPSTREAM])
+
+
 async def _push(app: web.Application) -> None:
     await PushFeed(app[TABLE], app[SETTINGS].timeouts, app[METRICS]).run()
 
@@ -249,6 +259,10 @@ def build_app(
     app.cleanup_ctx.append(_background("poller", _poll))
     app.cleanup_ctx.append(_background("models", _learn_models))
     app.cleanup_ctx.append(_background("push-feed", _push))
+    # Idle while no group scrapes (a reload may add one).
+    app.cleanup_ctx.append(_background("engine-healthy", _scrape))
+    if settings.liveness.enabled:
+        app.cleanup_ctx.append(_background("liveness", _liveness))
     app.cleanup_ctx.append(_background("auto-recovery", _auto_recovery))
     app[admin.WEIGHTS] = {}
     app[admin.REMOVED] = set()

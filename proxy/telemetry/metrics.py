@@ -111,7 +111,7 @@ class Metrics:
         self.too_large = Counter(
             "ftproxy_peer_answers_too_large",
             "Answers of ranks and etcd the proxy reads for itself refused over their size "
-            "bound, by peer (status, models, recovery, etcd)",
+            "bound, by peer (status, models, recovery, etcd, probe, metrics)",
             ["peer"],
             registry=r,
         )
@@ -132,6 +132,12 @@ class Metrics:
             "ftproxy_upstream_errors",
             "Attempts that failed before the first byte",
             ["rank", "kind"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "ftproxy_rank_ejections",
+            "Ranks taken out of rotation while reporting healthy, by cause (first_byte, stalled)",
+            ["rank", "cause"],
             registry=r,
         )
         self.latency = Histogram(

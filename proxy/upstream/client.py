@@ -464,6 +464,11 @@ class RankResponse:
                 break
         return b"".join(parts)[:limit]
 
+    @property
+    def closed(self) -> bool:
+        """Closed or released: nothing more is read from it."""
+        return self._conn is None
+
     def release(self) -> None:
         """Done with it: a complete keep-alive answer returns its connection to the pool."""
         self.close()
