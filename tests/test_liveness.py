@@ -25,8 +25,11 @@ from rich.console import Console
 
 from proxy.admin_cli import rank_table
 from proxy.control.healthmetric import Junk, samples
-from proxy.control.ranks import RankStatus, RankTable
+from proxy.control.liveness import Liveness
+from proxy.control.ranks import RankStatus, RankTable, Source
+from proxy.core.settings import Settings
 from proxy.ingress.state import TABLE
+from proxy.telemetry.metrics import Metrics
 from tests.conftest import FAST_POLL_S, until
 from tests.fakes import FakeRank
 from tests.test_engines import AUTH, settings
@@ -221,6 +224,58 @@ async def test_a_healthy_busy_rank_stays_in_rotation(fakes, proxy, http) -> None
     await asyncio.gather(*others)
     assert r.status == 200 and text.count("data:") >= 12
     assert await ejections(http, p.url) == [] and all(rank.ejected is None for rank in table)
+
+
+def two_ranks(**liveness: float) -> tuple[RankTable, Liveness]:
+    """Ranks a and b in groups of their own, healthy, and their liveness."""
+    groups = [{"name": f"g-{n}", "ranks": [{"name": n, "url": f"http://127.0.0.1:{i + 1}"}]}
+              for i, n in enumerate("ab")]  # fmt: skip
+    s = Settings(groups=groups, liveness={**LIVENESS, **liveness})
+    table = RankTable(s.groups)
+    for r in table:
+        table.observe(r.name, None, Source.POLL, reachable=True, status=RankStatus.HEALTHY)
+    return table, Liveness(table, s.liveness, Metrics(table))
+
+
+def test_a_stream_waiting_on_a_slow_client_is_no_silence_of_its_rank() -> None:
+    # The proxy does not read the rank while it waits on the client
+    # (backpressure): that time is not the rank's, as for hold.stall_s.
+    table, live = two_ranks()
+    t = live.sent("a", 100, judged=True)
+    t.heard()  # its first event; then the client stops reading
+    waiting: list[float | None] = [None]
+    t.quiet_since = lambda: waiting[0]
+    live.sent("b", 100, judged=True).heard()  # b answers promptly
+    now = time.monotonic()
+    live.prompt["b"] = now + 5.0
+    live.check(now + 5.0)
+    assert table.ranks["a"].routable
+    waiting[0] = now + 4.9  # the client took it; the rank is read again
+    live.check(now + 5.0)
+    assert table.ranks["a"].routable  # silent 0.1 s: within silence_s
+    live.check(now + 5.3)
+    assert table.ranks["a"].ejected is not None
+
+
+def test_the_bound_sums_the_prefill_waiting_on_the_rank() -> None:
+    table, live = two_ranks(silence_per_mib_s=1.0)
+    for _ in range(2):  # half a MiB each, neither answered: 0.3 s + 1 s
+        live.sent("a", 512 * 1024, judged=True)
+    now = time.monotonic()
+    live.prompt["b"] = now + 1.25
+    live.check(now + 1.25)
+    assert table.ranks["a"].routable
+    live.prompt["b"] = now + 1.35
+    live.check(now + 1.35)
+    assert "bound 1.3s" in (table.ranks["a"].ejected or ""), table.ranks["a"].ejected
+    # A whole answer on it is progress: it is back, and its two streams
+    # (in flight when it came back) are not judged again.
+    live.sent("a", 10, judged=False).answered(None)  # a failed try: no progress
+    assert table.ranks["a"].ejected is not None
+    live.sent("a", 10, judged=False).heard()  # a whole answer came
+    assert table.ranks["a"].routable
+    live.check(now + 100.0)
+    assert table.ranks["a"].routable
 
 
 # -- vllm:engine_healthy ---------------------------------------------------
