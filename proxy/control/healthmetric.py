@@ -8,10 +8,10 @@ rank's ``/metrics`` is read every ``timeouts.engine_healthy_interval_s``: the
 rank is healthy when every sample is 1, else unhealthy, and that is merged
 into the rank table as a poll's answer is (the newest observation wins); an
 answer that agrees with the table is not applied again, so the poll's
-detail (fault info, a round's error) stays. A scrape speaks of the status
-only: one that fails (no answer, over its bound, no such gauge, a value other
-than 0 or 1) changes nothing and is logged once until one succeeds;
-reachability stays the polls'. For a rank without an FT status route
+detail (fault info, a round's error) stays. A scrape that fails (no answer,
+over its bound, no such gauge, a value other than 0 or 1) changes nothing
+and is logged once until one succeeds: whether the rank answers is the
+polls' to say. For a rank without an FT status route
 (``engine: none``) the gauge is its status, and ``/health`` only its
 reachability: ``/health`` stays 200 while an engine is faulted.
 """
