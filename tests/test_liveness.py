@@ -9,7 +9,7 @@ for each engine of ``client.get_engine_health()``, only with
 ``enable_fault_tolerance``; its docs: "The value is ``1`` when the cached FT
 state is healthy and the client has not failed, and ``0`` when the engine is
 unhealthy, dead, or the client has failed." prometheus_client renders it as
-below (:data:`GAUGE`).
+:func:`gauge` writes.
 """
 
 from __future__ import annotations
@@ -35,8 +35,12 @@ from tests.fakes import FakeRank
 from tests.test_engines import AUTH, settings
 
 SILENCE_S = 0.3
-LIVENESS = {"silence_s": SILENCE_S, "silence_per_mib_s": 0.0, "probe_interval_s": 0.2,
-            "probe_timeout_s": 0.5}  # fmt: skip
+LIVENESS = {
+    "silence_s": SILENCE_S,
+    "silence_per_mib_s": 0.0,
+    "probe_interval_s": 0.2,
+    "probe_timeout_s": 0.5,
+}
 
 
 def gauge(*values: int) -> bytes:
@@ -49,9 +53,6 @@ def gauge(*values: int) -> bytes:
         'vllm:num_requests_running{engine="0",model_name="m"} 0.0',
     ]
     return ("\n".join(lines) + "\n").encode()
-
-
-GAUGE = gauge(1)
 
 
 async def complete(
@@ -228,8 +229,10 @@ async def test_a_healthy_busy_rank_stays_in_rotation(fakes, proxy, http) -> None
 
 def two_ranks(**liveness: float) -> tuple[RankTable, Liveness]:
     """Ranks a and b in groups of their own, healthy, and their liveness."""
-    groups = [{"name": f"g-{n}", "ranks": [{"name": n, "url": f"http://127.0.0.1:{i + 1}"}]}
-              for i, n in enumerate("ab")]  # fmt: skip
+    groups = [
+        {"name": f"g-{n}", "ranks": [{"name": n, "url": f"http://127.0.0.1:{port}"}]}
+        for port, n in enumerate("ab", start=1)
+    ]
     s = Settings(groups=groups, liveness={**LIVENESS, **liveness})
     table = RankTable(s.groups)
     for r in table:
