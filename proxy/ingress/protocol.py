@@ -307,6 +307,14 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the client went away")
 
+    def eof_received(self) -> bool:
+        # A client's FIN reads the same whether it closed or only shut its
+        # sending side (SHUT_WR): it is taken as gone, as nginx and uvicorn
+        # take it, so an abandoned request does not keep a rank busy (its
+        # upstream is closed, vLLM aborts it, 499). A half-closed client
+        # gets no answer.
+        return False
+
     def data_received(self, data: bytes) -> None:
         if self.stopped:
             return
