@@ -23,21 +23,20 @@ from proxy.core.settings import Timeouts
 from proxy.upstream.bounded import Answer, Bound, fetch
 from proxy.upstream.client import RankClient
 
-# RFC 9110 hop-by-hop headers, plus those aiohttp recomputes itself.
+# RFC 9110 hop-by-hop headers, plus those the rank client writes itself.
 _HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
 )
 
 
@@ -98,7 +97,6 @@ def request_headers(
         lk = k.lower()
         if lk == "connection":
             named.append(v)
-        # The body goes on decoded (proxy.ingress.inbound), so its encoding header does not.
         if lk in _HOP_BY_HOP or lk in _ENCODINGS or (strip_auth and lk == "authorization"):
             continue
         out.add(k, v)

@@ -450,9 +450,6 @@ class RankResponse:
         self.close()
         raise BodyTooLarge(f"the rank's answer is over {limit} bytes")
 
-    async def text(self) -> str:
-        return (await self.read()).decode("utf-8", "replace")
-
     async def read_at_most(self, limit: int) -> bytes:
         """The body's first ``limit`` bytes (or all of a shorter one)."""
         parts: list[bytes] = []
@@ -630,10 +627,8 @@ class RankClient:
 
 
 def _value(raw: bytes) -> str:
-    """A header value as text: UTF-8, a byte that is not read as U+FFFD.
-    Kept as a surrogate, the fast lane wrote the byte back raw and aiohttp's
-    writer left it out: one rule for both listeners' paths, and never bytes
-    that are not UTF-8 on to the client. (Names are tokens, ASCII: llhttp
+    """A header value as text: a byte that is not UTF-8 is read as U+FFFD,
+    never passed on raw to the client. (Names are tokens, ASCII: llhttp
     refuses anything else, as it refuses control bytes in values.)"""
     return raw.decode("utf-8", "replace")
 
