@@ -277,7 +277,7 @@ class _Conn(asyncio.Protocol):
 class RankResponse:
     """An answer from a rank: status and headers first, then the body, read
     whole (:meth:`read`) or as it arrives (:meth:`chunks`), then
-    :meth:`close` it (:meth:`release` is the same)."""
+    :meth:`close` it (or :meth:`release`: the same)."""
 
     def __init__(self, conn: _Conn) -> None:
         self._conn: _Conn | None = conn
@@ -461,14 +461,10 @@ class RankResponse:
                 break
         return b"".join(parts)[:limit]
 
-    def release(self) -> None:
-        """Done with it: a complete keep-alive answer returns its connection to the pool."""
-        self.close()
-
     def close(self) -> None:
         """Done with it. An answer not complete closes its connection (the
         rank sees the disconnect and aborts the request); a complete one
-        returns it to the pool, as :meth:`release`."""
+        returns it to the pool."""
         conn, self._conn = self._conn, None
         if conn is not None:
             if self._paused:  # a full buffer left unread: pooled, the socket must read again
@@ -477,6 +473,8 @@ class RankResponse:
             conn.done(self.complete and self.keep_alive and self._exc is None)
         if not self.complete:  # a reader still waiting on it ends
             self._fail(RankConnectionError("the answer was closed before its end"))
+
+    release = close  # the relay's word for a response it read to the end
 
 
 class RankClient:
