@@ -48,12 +48,9 @@ _ENCODINGS = frozenset({"content-encoding", "accept-encoding"})
 def make_rank_client(
     t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True
 ) -> RankClient:
-    """The relay's client for client requests (and their continuations):
-    ``per_rank`` connections per rank at most, idle ones closed after
-    ``upstream_idle_s``; a request waits for a free one as long as for a
-    healthy rank (``queue_s``). ``tls``: for https:// ranks
-    (proxy.core.tls.UpstreamTLS.context: a context, True for the system's, False
-    to encrypt without verifying). Must be called with the loop running."""
+    """A client with the proxy's timeouts: a request waits for a free
+    connection as long as for a healthy rank (``queue_s``); ``tls`` as
+    proxy.core.tls.UpstreamTLS.context gives it. Must be called with the loop running."""
     return RankClient(t.connect_s, t.read_s, t.upstream_idle_s, per_rank, tls, t.queue_s)
 
 
