@@ -54,9 +54,8 @@ log = logging.getLogger("ftproxy.app")
 
 
 async def proxy_v1(request: Request) -> None:
-    """An allow-listed serving endpoint (``routing.forward``): its body read
-    (and, if JSON, parsed) and checked, then to one healthy rank."""
-    app, settings = request.app, request.app[SETTINGS]
+    """An allow-listed serving endpoint (``routing.forward``): to one healthy rank."""
+    settings = request.app[SETTINGS]
     check_api_key(request.headers, settings.api_keys)
     max_bytes, timeout_s = settings.limits.max_body_bytes, settings.limits.body_timeout_s
     parsed: dict[str, Any] = {}
@@ -64,11 +63,18 @@ async def proxy_v1(request: Request) -> None:
         body, parsed = await read_json(request, max_bytes, timeout_s)
     else:
         body = await request.body.read(max_bytes, timeout_s)
+    await _forward(request, body, parsed)
+
+
+async def _forward(request: Request, body: bytes, parsed: dict[str, Any]) -> None:
+    """A serving request whose body is read (and, if JSON, parsed): checked,
+    then to a healthy rank."""
+    app = request.app
     if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
         rec.model = parsed["model"][:200]
     # The route's own path (from the config), not the client's spelling of it.
     method, path, rid = request.method, request.route, request.request_id
-    headers = request_headers(request.headers, rid, strip_auth=bool(settings.api_keys))
+    headers = request_headers(request.headers, rid, strip_auth=bool(app[SETTINGS].api_keys))
     out = Outbound(method, path, headers, body, rid)
     kind = generation.KINDS.get(path)
     if kind is not None:
