@@ -4,11 +4,9 @@ Handlers answer through a Reply, not through a server's response objects: the
 connection's (``proxy.ingress.protocol.ConnReply``) writes bytes straight onto it.
 
 Streams are written to the client as HTTP chunks, straight onto its
-transport. aiohttp's ``StreamResponse.write`` goes through a chunked writer,
-three calls deep, for every event; a relay does it tens of thousands of times
-a second. :class:`ChunkSink` frames the chunk itself and writes it to the
-transport in one call, waiting only while the transport says the client is
-not reading (backpressure as before).
+transport: :class:`ChunkSink` frames each chunk and writes it in one call (a
+relay does so tens of thousands of times a second), waiting only while the
+transport says the client is not reading.
 """
 
 from __future__ import annotations

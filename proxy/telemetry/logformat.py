@@ -2,7 +2,7 @@
 
 In json every line is one object with the same keys, ``ts level logger msg``,
 plus ``request_id`` when the line was logged while serving a request (set by
-the access middleware) and ``exc`` for a traceback. The access
+the request pipeline) and ``exc`` for a traceback. The access
 log (:mod:`proxy.telemetry.accesslog`) writes its own lines in the same format.
 """
 
