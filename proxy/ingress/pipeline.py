@@ -115,12 +115,8 @@ class Pipeline:
 
     async def _end_cut(self, req: Request, entry: InFlight) -> None:
         resp = await end_cut(entry)
-        if resp is None:
-            return  # its stream got an error event and its end
-        if req.reply.prepared:  # begun, not as an event stream: cut it so the client sees it
-            req.reply.abort()
-            return
-        await answer(req, resp)
+        if resp is not None:  # None: its stream got an error event and its end
+            await _answer_or_cut(req, resp)
 
     async def _guarded(self, req: Request, found: _Found) -> None:
         """Every error an answer in the OpenAI shape."""
@@ -130,23 +126,17 @@ class Pipeline:
             status, message = err.status, err.message
             log.info("[%s] %s %s -> %d %s", req.request_id, req.method, req.path, status, message)
             accesslog.refused(self.metrics, err)
-            if req.reply.prepared:  # too late for an answer of its own
-                req.reply.abort()
-                return
             if err.close_connection:
                 req.reply.end_connection()
-            await answer(req, error_answer(err))
+            await _answer_or_cut(req, error_answer(err))
         except ConnectionResetError:
             raise  # the client left: nothing to answer (counted in serve)
         except Exception:
             # A bug of ours: never a text/plain 500, never a traceback to the client.
             log.exception("[%s] %s %s -> 500 internal error", req.request_id, req.method, req.path)
             self.metrics.internal_errors.inc()
-            if req.reply.prepared:  # the answer has begun: cut it so the client sees it
-                req.reply.abort()
-                return
             bug = ProxyError("internal error; see the proxy log for this request id")
-            await answer(req, error_answer(bug))
+            await _answer_or_cut(req, error_answer(bug))
 
     async def _admitted(self, req: Request, found: _Found) -> None:
         """Target, request limit, admin token, route, handler."""
@@ -178,3 +168,12 @@ async def answer(req: Request, resp: Response) -> None:
     headers = CIMultiDict(resp.headers)
     headers["Content-Type"] = resp.content_type
     await req.reply.whole(resp.status, headers, resp.body)
+
+
+async def _answer_or_cut(req: Request, resp: Response) -> None:
+    """``resp``, unless the answer has begun: too late for another, so it is
+    cut and the client sees it."""
+    if req.reply.prepared:
+        req.reply.abort()
+        return
+    await answer(req, resp)
