@@ -29,6 +29,7 @@ async def test_a_rank_refusing_503_forever_ends_in_a_clear_error_not_a_hot_loop(
     took = time.monotonic() - started
     assert code in (502, 503, 504), (code, body)
     assert isinstance(body.get("error"), dict) and body["error"].get("message"), body
+    assert len(body["error"]["message"]) < 300, body  # each failure once, with its count
     assert took < 3.0, took
     # one try per poll that brings it back at most (poll 0.05 s, 1 s queue)
     assert a.refused <= 40, a.refused

@@ -120,7 +120,16 @@ class Queue:
 
 
 def _after(failures: list[str]) -> str:
-    return f" (after: {'; '.join(failures)})" if failures else ""
+    return f" (after: {_said(failures)})" if failures else ""
+
+
+def _said(failures: list[str]) -> str:
+    """The failures once each, with their counts: a rank refusing through a
+    long wait would otherwise make a message of kilobytes."""
+    counts = dict.fromkeys(failures, 0)
+    for f in failures:
+        counts[f] += 1
+    return "; ".join(f if n == 1 else f"{f} x{n}" for f, n in counts.items())
 
 
 class Relay:
@@ -193,7 +202,7 @@ class Relay:
             failures.append(f"{rank.name}: HTTP {attempt.response.status}")
             self.metrics.upstream_errors.labels(rank.name, "http_5xx").inc()
             attempt.response.release()
-        raise UpstreamFailed("no rank could take the request: " + "; ".join(failures))
+        raise UpstreamFailed("no rank could take the request: " + _said(failures))
 
     async def _try(self, rank: Rank, out: Outbound, failures: list[str]) -> Attempt | None:
         started = time.monotonic()
