@@ -700,8 +700,9 @@ class ConnReply:
             self.keep_alive = False  # kept-alive clients reconnect elsewhere
         if self.message is not None and self.message.last:
             self.keep_alive = False  # a trailer, an upgrade: nothing after it is read
+        headers.popall("Connection", None)  # the proxy's own, below
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"]
-        lines.extend(f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "connection")
+        lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
         if "Date" not in headers:
             lines.append(f"Date: {_date()}\r\n")
         if "Server" not in headers:
