@@ -63,12 +63,16 @@ async def proxy_v1(request: Request) -> None:
         body, parsed = await read_json(request, max_bytes, timeout_s)
     else:
         body = await request.body.read(max_bytes, timeout_s)
-    await _forward(request, body, parsed)
+    out, kind = _outbound(request, body, parsed)
+    if kind is not None and request.method == "POST":
+        await generation.forward(request.app[RELAY], request.reply, out, kind, parsed)
+    else:
+        await request.app[RELAY].forward(request.reply, out)
 
 
-async def _forward(request: Request, body: bytes, parsed: dict[str, Any]) -> None:
-    """A serving request whose body is read (and, if JSON, parsed): checked,
-    then to a healthy rank."""
+def _outbound(request: Request, body: bytes, parsed: dict[str, Any]) -> tuple[Outbound, str | None]:
+    """A serving request whose body is read (and, if JSON, parsed), checked:
+    what goes upstream, and its generation kind if it is one."""
     app = request.app
     if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
         rec.model = parsed["model"][:200]
@@ -85,10 +89,7 @@ async def _forward(request: Request, body: bytes, parsed: dict[str, Any]) -> Non
         out.model = model
         if (served := app[TABLE].unknown_model(model)) is not None:
             raise ModelNotFound(model, served)
-    if kind is not None and method == "POST":
-        await generation.forward(app[RELAY], request.reply, out, kind, parsed)
-    else:
-        await app[RELAY].forward(request.reply, out)
+    return out, kind
 
 
 async def list_models(request: Request) -> Response:
