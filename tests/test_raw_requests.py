@@ -238,3 +238,23 @@ async def test_an_answer_without_a_body_has_no_length_either(status: int) -> Non
     head, _, body = conn.transport.written.partition(b"\r\n\r\n")
     assert head.startswith(f"HTTP/1.1 {status} ".encode())
     assert b"content-length" not in head.lower() and body == b""
+
+
+async def test_a_half_close_is_taken_as_the_client_leaving(fakes, proxy) -> None:
+    """A FIN is a close: the upstream request is closed at once (vLLM aborts
+    it), as nginx and uvicorn do, whether or not the client still reads."""
+    rank = await fakes(name="a", token_delay_s=0.05)
+    p = await proxy(settings_for([rank]))
+    body = b'{"model": "fake-model", "prompt": "hello", "max_tokens": 200}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    writer.write(head(body) + body)
+    await writer.drain()
+    await asyncio.sleep(0.3)  # the upstream request is under way
+    writer.write_eof()
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, unanswered
+    writer.close()
+    for _ in range(50):
+        if rank.disconnects:
+            break
+        await asyncio.sleep(0.05)
+    assert rank.disconnects == 1

@@ -34,6 +34,7 @@ from proxy.core.errors import (
     StaleConnection,
     UpstreamFailed,
 )
+from proxy.core.retry import RetryPolicy
 from proxy.core.settings import Settings
 from proxy.core.target import upstream_url
 from proxy.dataplane.budget import HeldStreams
@@ -44,6 +45,9 @@ from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.tracing import Tracing
 from proxy.upstream import response_headers
 from proxy.upstream.client import BODY_ERRORS, RankClient, RankResponse
+
+# Waits between the 503s of engines that refuse while faulted: Relay._back_off.
+REFUSED = RetryPolicy(base_s=0.1, cap_s=2.0, jitter=0.5)
 
 log = logging.getLogger("ftproxy.relay")
 
@@ -121,7 +125,16 @@ class Queue:
 
 
 def _after(failures: list[str]) -> str:
-    return f" (after: {'; '.join(failures)})" if failures else ""
+    return f" (after: {_said(failures)})" if failures else ""
+
+
+def _said(failures: list[str]) -> str:
+    """The failures once each, with their counts: a rank refusing through a
+    long wait would otherwise make a message of kilobytes."""
+    counts = dict.fromkeys(failures, 0)
+    for f in failures:
+        counts[f] += 1
+    return "; ".join(f if n == 1 else f"{f} x{n}" for f, n in counts.items())
 
 
 class Relay:
@@ -165,13 +178,14 @@ class Relay:
         """
         tried: set[str] = set()
         failures: list[str] = []
+        refusals = 0
         queue = Queue(self.settings.timeouts.queue_s if queue_s is None else queue_s)
         tries = 1 + self.settings.limits.upstream_retries
         while tries > 0:
             if not out.may_send():
                 failures.append("no upstream request left in this request's budget")
                 break
-            rank = await self._pick(frozenset(tried), queue, out, failures)
+            rank = await self._pick(frozenset(tried), queue, out, failures, refusals)
             if rank is None:
                 break
             tried.add(rank.name)
@@ -183,6 +197,7 @@ class Relay:
                 tries -= 1
                 continue
             if self._refused(attempt, failures):
+                refusals += 1
                 continue  # not the rank's answer: another's or, after the wait, its own
             tries -= 1
             if attempt.response.status < 500 or self._last_try(tried, out):
@@ -193,7 +208,7 @@ class Relay:
             failures.append(f"{rank.name}: HTTP {attempt.response.status}")
             self.metrics.upstream_errors.labels(rank.name, "http_5xx").inc()
             attempt.response.release()
-        raise UpstreamFailed("no rank could take the request: " + "; ".join(failures))
+        raise UpstreamFailed("no rank could take the request: " + _said(failures))
 
     async def _try(self, rank: Rank, out: Outbound, failures: list[str]) -> Attempt | None:
         ticket = self.liveness.sent(rank.name, len(out.body), out.stream)
@@ -272,8 +287,10 @@ class Relay:
         goes elsewhere or waits as a new one does; never the client's answer.
         A rank back within the wait counts again (the loop is bounded by the
         request's budget and the queue time)."""
+        if attempt.response.status != 503:
+            return False
         rank, engine = attempt.rank, engines.of(attempt.rank)
-        if attempt.response.status != 503 or engine is None or not engine.refuses_when_faulted:
+        if engine is None or not engine.refuses_when_faulted:
             return False
         attempt.response.release()
         failures.append(f"{rank.name}: engine faulted (503)")
@@ -284,6 +301,20 @@ class Relay:
             rank.name, None, Source.RELAY, reachable=True, status=unhealthy, detail=detail
         )
         return True
+
+    async def _back_off(self, refusals: int, queue: Queue) -> None:
+        """Before taking a rank again after its second 503 in one request,
+        wait (doubling): an engine that refuses while faulted may still pass
+        its status polls as healthy, and each poll would make its rank
+        routable again, so without a wait one fault would spend the request's
+        whole upstream budget in a few poll intervals. It counts as queue time."""
+        if refusals < 2:
+            return  # the first: another rank may take it at once
+        wait_s = min(REFUSED.delay(refusals - 1), queue.left_s)
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+            queue.waited_s += wait_s
+            self._waited(wait_s)
 
     async def _try_traced(
         self, tracing: Tracing, rank: Rank, out: Outbound, failures: list[str]
@@ -309,7 +340,12 @@ class Relay:
         return route_key(self.settings.routing.cache_aware, body, headers)
 
     async def _pick(
-        self, tried: frozenset[str], queue: Queue, out: Outbound, failures: list[str]
+        self,
+        tried: frozenset[str],
+        queue: Queue,
+        out: Outbound,
+        failures: list[str],
+        refusals: int = 0,
     ) -> Rank | None:
         model = out.model
         rank = self._choose(self.table.serving(model), tried, out)
@@ -323,7 +359,10 @@ class Relay:
         serving = self.table.serving(model)
         # A rank that failed is taken again only when no other is back: it
         # was out of rotation, and a newer poll or push brought it back.
-        return self._choose(serving, tried, out) or self._choose(serving, frozenset(), out)
+        if (other := self._choose(serving, tried, out)) is not None:
+            return other
+        await self._back_off(refusals, queue)
+        return self._choose(self.table.serving(model), frozenset(), out)
 
     def _learn(self, rank: Rank, out: Outbound, status: int) -> None:
         """A rank that took a prompt has it cached now (cache-aware routing)."""
