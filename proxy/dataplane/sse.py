@@ -1,6 +1,19 @@
-"""Server-sent events: split a byte stream into events' ``data`` payloads."""
+"""Server-sent events: split a byte stream into events' ``data`` payloads.
+
+:class:`SSEParser` is the reference: pure Python, always here. Its
+:meth:`SSEParser.relay` also takes a stream's common chunks (one token, not
+the first, not the last) on bytes, for a whole upstream read at once. The
+compiled twin, :mod:`proxy.dataplane._events` (built by ``setup.py`` where a C
+compiler is), does the same per read without the interpreter; it is used
+when it was built, unless ``FTPROXY_EVENTS=python``. :data:`IMPLEMENTATION`
+names the one in use, :func:`new_parser` makes one.
+"""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Protocol
 
 DONE = b"[DONE]"
 KEEPALIVE = b": ftproxy keepalive\n\n"
@@ -12,6 +25,19 @@ MAX_EVENT = 8 << 20
 
 class EventTooLarge(ValueError):
     """An unfinished event grew past :data:`MAX_EVENT`."""
+
+
+# One upstream read, relayed: (the client's bytes for its common chunks, their
+# token ids, the book's records for them as (ids generated after, chunk),
+# the ids of those that came alone without text, and the events after the
+# first chunk that is not common, in order, for Python to handle).
+Relayed = tuple[bytes, list[int], list[tuple[int, bytes]], list[int], list[bytes]]
+
+
+class EventParser(Protocol):
+    def feed(self, chunk: bytes) -> list[bytes]: ...
+
+    def relay(self, chunk: bytes, base: int, wants_ids: bool) -> Relayed: ...
 
 
 class SSEParser:
@@ -60,6 +86,30 @@ class SSEParser:
                 out.append(b"\n".join(data))
         return out
 
+    def relay(self, chunk: bytes, base: int, wants_ids: bool) -> Relayed:
+        """:meth:`feed`, and the leading common chunks taken on bytes.
+
+        ``base``: the ids the book has generated so far (the records count
+        from it). The book's state itself is the caller's: it adds what this
+        returns, then handles the events left, in order.
+        """
+        events = self.feed(chunk)
+        out: list[bytes] = []
+        ids: list[int] = []
+        records: list[tuple[int, bytes]] = []
+        suspects: list[int] = []
+        for i, data in enumerate(events):
+            taken = take_chunk(data, wants_ids)
+            if taken is None:
+                return b"".join(out), ids, records, suspects, events[i:]
+            shown, got, empty = taken
+            out.append(b"data: " + shown + b"\n\n")
+            ids.extend(got)
+            records.append((base + len(ids), data))
+            if len(got) == 1 and empty:
+                suspects.append(got[0])
+        return b"".join(out), ids, records, suspects, []
+
     def _keep(self, data: bytes) -> None:
         self._size += len(data)
         if self._size > MAX_EVENT:
@@ -74,3 +124,70 @@ def _has_end(data: bytes) -> bool:
 
 def event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
+
+
+# -- the common chunk on bytes ----------------------------------------------
+# Machine-written JSON: a quote inside a string is escaped, so these byte
+# patterns can only match keys, never text. vLLM writes compact JSON; spaced
+# JSON is no common chunk (it is parsed).
+
+
+def common_chunk(data: bytes) -> bool:
+    """One choice's token, neither the first chunk nor a finish."""
+    return (
+        data.count(b'"finish_reason":null') == 1
+        and b'"prompt_token_ids":[' not in data
+        and b'"index":0' in data
+    )
+
+
+def take_ids(data: bytes, wants_ids: bool) -> tuple[bytes, list[int], bool] | None:
+    """A common chunk's (client bytes, token ids, no text); None: parse it.
+
+    The client's bytes have ``token_ids`` nulled unless it asked for them.
+    Plain finds, no regex: this runs for every event of every stream.
+    """
+    start = data.find(b'"token_ids":[')
+    end = data.find(b"]", start)
+    if start < 0 or end < 0:
+        return None
+    ids = _ids(data[start + 13 : end])
+    if ids is None:
+        return None
+    empty = b'"text":""' in data or b'"content":""' in data
+    if not wants_ids:
+        data = data[:start] + b'"token_ids":null' + data[end + 1 :]
+    return data, ids, empty
+
+
+def take_chunk(data: bytes, wants_ids: bool) -> tuple[bytes, list[int], bool] | None:
+    return take_ids(data, wants_ids) if common_chunk(data) else None
+
+
+def _ids(inner: bytes) -> list[int] | None:
+    """Comma-separated decimal ids; None for anything else (a sign, spaces,
+    an empty item): the JSON parser judges those."""
+    if b"," not in inner:
+        if not inner:
+            return []
+        return [int(inner)] if inner.isdigit() else None
+    items = inner.split(b",")
+    return [int(x) for x in items] if all(x.isdigit() for x in items) else None
+
+
+def _compiled() -> Callable[[], EventParser] | None:
+    try:
+        from proxy.dataplane import _events
+    except ImportError:  # built without a compiler: the reference serves
+        return None
+    _events.bind(EventTooLarge, MAX_EVENT)
+    return _events.Parser
+
+
+# The compiled parser where it was built (None where not), and the one streams
+# use: "compiled" or "python" (FTPROXY_EVENTS=python: the reference).
+COMPILED = _compiled()
+new_parser: Callable[[], EventParser] = SSEParser
+if COMPILED is not None and os.environ.get("FTPROXY_EVENTS", "") != "python":
+    new_parser = COMPILED
+IMPLEMENTATION = "python" if new_parser is SSEParser else "compiled"

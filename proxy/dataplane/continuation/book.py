@@ -51,6 +51,7 @@ from proxy.dataplane.continuation.fields import (
     prompt_count,
 )
 from proxy.dataplane.continuation.splice import Decode, SpliceFailed, find_boundary
+from proxy.dataplane.sse import common_chunk, take_ids
 
 log = logging.getLogger("ftproxy.continuation")
 
@@ -144,31 +145,35 @@ class Book:
         the relay together; only chunks that carry more than a token (the
         first, a finish, an abort, usage) need it. None: parse this one.
         """
-        if (
-            self.template is None
-            or self.spliced
-            or data.count(b'"finish_reason":null') != 1
-            or b'"prompt_token_ids":[' in data
-            or b'"index":0' not in data
-        ):
+        if self.template is None or self.spliced or not common_chunk(data):
             return None
         if self.kind == CHAT and not self.answering and not self._chat_bytes(data):
             return None
-        # Plain finds, not _IDS: this runs for every event of every stream.
-        # vLLM writes compact JSON; spaced JSON takes the parsing path.
-        start = data.find(b'"token_ids":[')
-        end = data.find(b"]", start)
-        if start < 0 or end < 0:
+        taken = take_ids(data, self.wants_ids)
+        if taken is None:
             return None
-        inner = data[start + 13 : end]
-        if b"," in inner:
-            ids = [int(x) for x in inner.split(b",")]
-        else:
-            ids = [int(inner)] if inner else []
-        self._count(ids, data, empty=b'"text":""' in data or b'"content":""' in data)
-        if not self.wants_ids:
-            data = data[:start] + b'"token_ids":null' + data[end + 1 :]
-        return Emit([data])
+        shown, ids, empty = taken
+        self._count(ids, data, empty=empty)
+        return Emit([shown])
+
+    def bytes_ok(self) -> bool:
+        """Common chunks may be taken on bytes without this book
+        (:meth:`proxy.dataplane.sse.SSEParser.relay`), as
+        :meth:`on_original_bytes` would take them: nothing about them changes
+        its state but :meth:`counted`."""
+        return (
+            self.template is not None and not self.spliced and (self.kind != CHAT or self.answering)
+        )
+
+    def counted(
+        self, ids: list[int], records: list[tuple[int, bytes]], suspects: list[int]
+    ) -> None:
+        """Common chunks taken on bytes (``SSEParser.relay``): as
+        :meth:`_count` for each."""
+        self.generated.extend(ids)
+        self.records.extend(records)
+        if suspects and not self.stops:
+            self.suspects.update(suspects)
 
     def _chat_bytes(self, data: bytes) -> bool:
         """Note whether a chat chunk, before the answer text, carries

@@ -21,7 +21,7 @@ from proxy.core.errors import ClientGone
 from proxy.dataplane.continuation import Book, Emit, SpliceFailed
 from proxy.dataplane.hold.hold import Flow, Hold, StreamFailed
 from proxy.dataplane.sink import Collector, Sink
-from proxy.dataplane.sse import DONE, KEEPALIVE, EventTooLarge, SSEParser, event
+from proxy.dataplane.sse import DONE, KEEPALIVE, EventParser, EventTooLarge, event, new_parser
 from proxy.telemetry.accesslog import AccessRecord
 from proxy.upstream.client import BODY_ERRORS
 
@@ -62,7 +62,7 @@ class Pump:
     async def pump(self, attempt: Attempt, handle: Handle) -> PumpEnd:
         """Relay one upstream's events; say how it ended."""
         self.flow.attach(attempt)
-        parser = SSEParser()
+        parser = new_parser()
         try:
             if self.sink.direct:
                 outcome = await self._pump_direct(attempt, parser, handle)
@@ -82,7 +82,7 @@ class Pump:
         return PumpEnd.ABORTED
 
     async def _pump_direct(
-        self, attempt: Attempt, parser: SSEParser, handle: Handle
+        self, attempt: Attempt, parser: EventParser, handle: Handle
     ) -> PumpEnd | None:
         """Events go to the client from the upstream's data callback (no task
         switch per chunk); this task wakes only for an outcome, a client that
@@ -114,7 +114,7 @@ class Pump:
             await self._drain()
 
     async def _pump_awaiting(
-        self, attempt: Attempt, parser: SSEParser, handle: Handle
+        self, attempt: Attempt, parser: EventParser, handle: Handle
     ) -> PumpEnd | None:
         """As :meth:`_pump_direct`, for a sink that must be awaited."""
         async for chunk in attempt.response.chunks():
@@ -126,17 +126,28 @@ class Pump:
         return None
 
     def _events(
-        self, parser: SSEParser, chunk: bytes, handle: Handle
+        self, parser: EventParser, chunk: bytes, handle: Handle
     ) -> tuple[list[bytes], PumpEnd | None]:
         """One upstream read: the client's bytes for it (one write however
         many events it held) and the outcome, if it ends this upstream."""
         out: list[bytes] = []
         outcome = None
+        book = self.book
         try:
-            events = parser.feed(chunk)
+            if handle == book.on_original and book.bytes_ok():
+                # The read's common chunks taken in one call (compiled where
+                # built); the events after the first other one: below, in order.
+                head, ids, records, suspects, events = parser.relay(
+                    chunk, len(book.generated), book.wants_ids
+                )
+                if head:
+                    out.append(head)
+                    book.counted(ids, records, suspects)
+            else:
+                events = parser.feed(chunk)
         except EventTooLarge as e:  # memory stays bounded: the rank is not sending SSE
             raise StreamFailed(f"the rank sent {e}", "upstream_event_too_large") from e
-        if events:  # bytes that never make an event (a drip) are a stall, not progress
+        if events or out:  # bytes that never make an event (a drip) are a stall, not progress
             self.flow.heard()
         for data in events:
             outcome = self._on_event(data, handle, out)

@@ -1,0 +1,510 @@
+/* The per-read event path of a stream, compiled.
+ *
+ * The same semantics as proxy/dataplane/sse.py (SSEParser.feed and
+ * SSEParser.relay, the reference): the SSE split of a rank's bytes, and, for
+ * the common chunk of a stream (one token, neither the first nor the last),
+ * the token bookkeeping on bytes and the client's bytes for the whole read.
+ * The book's state stays with Python: relay() returns what to add to it and
+ * the events, in order, that Python must handle itself.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+/* The error for an unfinished event over max_event bytes: sse.EventTooLarge
+ * once bind() has run (ValueError before, its base class). */
+static PyObject *too_large = NULL;
+static Py_ssize_t max_event = (Py_ssize_t)8 << 20;
+
+typedef struct {
+    PyObject_HEAD
+    char *buf;        /* the unfinished event's parts, joined as they come */
+    Py_ssize_t len;
+    Py_ssize_t cap;
+    Py_ssize_t size;  /* SSEParser._size: counted even for a part refused */
+    Py_ssize_t parts; /* parts kept: SSEParser's `not self._parts` */
+} Parser;
+
+/* -- bytes ---------------------------------------------------------------- */
+
+static Py_ssize_t
+find(const char *h, Py_ssize_t hn, const char *nd, Py_ssize_t nn, Py_ssize_t from)
+{
+    const char *p = h + from, *end = h + hn;
+    while (end - p >= nn) {
+        p = memchr(p, nd[0], (size_t)((end - p) - nn + 1));
+        if (p == NULL)
+            return -1;
+        if (memcmp(p, nd, (size_t)nn) == 0)
+            return p - h;
+        p++;
+    }
+    return -1;
+}
+
+#define FIND(h, n, lit, from) find((h), (n), (lit), (Py_ssize_t)(sizeof(lit) - 1), (from))
+
+/* An event's end: "\n\n" or "\r\n\r\n" (sse._has_end). */
+static int
+has_end(const char *p, Py_ssize_t n)
+{
+    const char *end = p + n, *q = p;
+    while ((q = memchr(q, '\n', (size_t)(end - q))) != NULL) {
+        if (q + 1 < end && q[1] == '\n')
+            return 1;
+        if (q > p && q[-1] == '\r' && q + 2 < end && q[1] == '\r' && q[2] == '\n')
+            return 1;
+        q++;
+    }
+    return 0;
+}
+
+/* A growable byte buffer (the client's bytes of one read). */
+typedef struct {
+    char *p;
+    Py_ssize_t len;
+    Py_ssize_t cap;
+} Out;
+
+static int
+out_put(Out *o, const char *d, Py_ssize_t n)
+{
+    if (o->len + n > o->cap) {
+        Py_ssize_t cap = o->cap ? o->cap : 256;
+        while (cap < o->len + n)
+            cap *= 2;
+        char *p = PyMem_Realloc(o->p, (size_t)cap);
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        o->p = p;
+        o->cap = cap;
+    }
+    memcpy(o->p + o->len, d, (size_t)n);
+    o->len += n;
+    return 0;
+}
+
+/* -- the SSE split (SSEParser.feed) ---------------------------------------- */
+
+/* Append to the unfinished event's bytes (a join: no bound checked). */
+static int
+put(Parser *self, const char *d, Py_ssize_t n)
+{
+    if (self->len + n > self->cap) {
+        Py_ssize_t cap = self->cap ? self->cap : 1024;
+        while (cap < self->len + n)
+            cap *= 2;
+        char *p = PyMem_Realloc(self->buf, (size_t)cap);
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->buf = p;
+        self->cap = cap;
+    }
+    memcpy(self->buf + self->len, d, (size_t)n);
+    self->len += n;
+    return 0;
+}
+
+/* SSEParser._keep: memory stays bounded while an event's end is awaited. */
+static int
+keep(Parser *self, const char *d, Py_ssize_t n)
+{
+    self->size += n;
+    if (self->size > max_event) {
+        PyErr_Format(too_large ? too_large : PyExc_ValueError,
+                     "an event of over %zd MiB without an end", max_event >> 20);
+        return -1;
+    }
+    if (put(self, d, n) < 0)
+        return -1;
+    self->parts++;
+    return 0;
+}
+
+/* One event's data: its "data:" lines, leading spaces off, joined with
+ * newlines; none: nothing appended. */
+static int
+add_event(PyObject *events, const char *e, Py_ssize_t n)
+{
+    Py_ssize_t total = 0, lines = 0, i = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        char *w = NULL;
+        PyObject *data = NULL;
+        if (pass == 1) {
+            if (lines == 0)
+                return 0;
+            data = PyBytes_FromStringAndSize(NULL, total + lines - 1);
+            if (data == NULL)
+                return -1;
+            w = PyBytes_AS_STRING(data);
+        }
+        Py_ssize_t seen = 0;
+        for (i = 0; i <= n;) {
+            const char *nl = memchr(e + i, '\n', (size_t)(n - i));
+            Py_ssize_t stop = nl ? nl - e : n;
+            if (stop - i >= 5 && memcmp(e + i, "data:", 5) == 0) {
+                Py_ssize_t v = i + 5;
+                while (v < stop && e[v] == ' ')
+                    v++;
+                if (pass == 0) {
+                    total += stop - v;
+                    lines++;
+                } else {
+                    if (seen++)
+                        *w++ = '\n';
+                    memcpy(w, e + v, (size_t)(stop - v));
+                    w += stop - v;
+                }
+            }
+            i = stop + 1;
+        }
+        if (pass == 1) {
+            int r = PyList_Append(events, data);
+            Py_DECREF(data);
+            return r;
+        }
+    }
+    return 0;
+}
+
+/* Split bytes holding an event's end into events; the rest is kept. */
+static int
+parse(Parser *self, PyObject *events, const char *p, Py_ssize_t n)
+{
+    char *fixed = NULL;
+    if (FIND(p, n, "\r\n", 0) >= 0) { /* CRLF lines: as LF ones (bytes.replace) */
+        fixed = PyMem_Malloc((size_t)(n ? n : 1));
+        if (fixed == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        Py_ssize_t w = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (p[i] == '\r' && i + 1 < n && p[i + 1] == '\n')
+                continue;
+            fixed[w++] = p[i];
+        }
+        p = fixed;
+        n = w;
+    }
+    Py_ssize_t start = 0, at;
+    int r = 0;
+    while ((at = FIND(p, n, "\n\n", start)) >= 0) {
+        if (add_event(events, p + start, at - start) < 0) {
+            r = -1;
+            break;
+        }
+        start = at + 2;
+    }
+    if (r == 0) {
+        if (n - start > 0)
+            r = keep(self, p + start, n - start);
+    }
+    PyMem_Free(fixed);
+    return r;
+}
+
+static Py_ssize_t
+count_nl(const char *p, Py_ssize_t n)
+{
+    Py_ssize_t c = 0;
+    const char *end = p + n;
+    while ((p = memchr(p, '\n', (size_t)(end - p))) != NULL) {
+        c++;
+        p++;
+    }
+    return c;
+}
+
+static PyObject *
+split(Parser *self, PyObject *chunk)
+{
+    const char *c = PyBytes_AS_STRING(chunk);
+    Py_ssize_t n = PyBytes_GET_SIZE(chunk);
+    PyObject *events = PyList_New(0);
+    if (events == NULL)
+        return NULL;
+    if (self->parts == 0) {
+        /* The common case: exactly one whole single-line event. */
+        if (n >= 8 && memcmp(c, "data: ", 6) == 0 && c[n - 2] == '\n' && c[n - 1] == '\n'
+            && count_nl(c, n) == 2) {
+            PyObject *data = PyBytes_FromStringAndSize(c + 6, n - 8);
+            if (data == NULL || PyList_Append(events, data) < 0) {
+                Py_XDECREF(data);
+                Py_DECREF(events);
+                return NULL;
+            }
+            Py_DECREF(data);
+            return events;
+        }
+        int r = has_end(c, n) ? parse(self, events, c, n) : keep(self, c, n);
+        if (r < 0) {
+            Py_CLEAR(events);
+        }
+        return events;
+    }
+    /* An event's end split across two reads: in the kept tail and this head. */
+    char probe[6];
+    Py_ssize_t t = self->len < 3 ? self->len : 3, h = n < 3 ? n : 3;
+    memcpy(probe, self->buf + self->len - t, (size_t)t);
+    memcpy(probe + t, c, (size_t)h);
+    if (!has_end(probe, t + h) && !has_end(c, n)) {
+        if (keep(self, c, n) < 0)
+            Py_CLEAR(events);
+        return events;
+    }
+    if (put(self, c, n) < 0) { /* joined with the parts before it */
+        Py_DECREF(events);
+        return NULL;
+    }
+    char *joined = self->buf;
+    Py_ssize_t jn = self->len;
+    self->buf = NULL;
+    self->len = self->cap = self->size = self->parts = 0;
+    int r = has_end(joined, jn) ? parse(self, events, joined, jn) : keep(self, joined, jn);
+    PyMem_Free(joined);
+    if (r < 0)
+        Py_CLEAR(events);
+    return events;
+}
+
+/* -- the common chunk on bytes (sse.take_chunk) ----------------------------- */
+
+/* Token ids: plain decimal digits, comma-separated, or none. -1: anything
+ * else (Python parses the chunk). */
+static Py_ssize_t
+check_ids(const char *p, Py_ssize_t n)
+{
+    Py_ssize_t ids = 0, digits = 0;
+    if (n == 0)
+        return 0;
+    for (Py_ssize_t i = 0; i <= n; i++) {
+        if (i == n || p[i] == ',') {
+            if (digits == 0)
+                return -1;
+            ids++;
+            digits = 0;
+        } else if (p[i] >= '0' && p[i] <= '9') {
+            digits++;
+        } else {
+            return -1;
+        }
+    }
+    return ids;
+}
+
+static PyObject *
+parse_id(const char *p, Py_ssize_t n)
+{
+    if (n <= 18) {
+        long long v = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            v = v * 10 + (p[i] - '0');
+        return PyLong_FromLongLong(v);
+    }
+    PyObject *s = PyUnicode_FromStringAndSize(p, n); /* a big one: Python's int */
+    if (s == NULL)
+        return NULL;
+    PyObject *v = PyLong_FromUnicodeObject(s, 10);
+    Py_DECREF(s);
+    return v;
+}
+
+/* One event taken on bytes: 1, its client bytes written to `out` and its ids
+ * appended to `ids`; 0: not the common chunk (nothing written). */
+static int
+take(PyObject *event, int wants_ids, Out *out, PyObject *ids, Py_ssize_t *got,
+     int *empty)
+{
+    const char *d = PyBytes_AS_STRING(event);
+    Py_ssize_t n = PyBytes_GET_SIZE(event);
+    Py_ssize_t fin = FIND(d, n, "\"finish_reason\":null", 0);
+    if (fin < 0 || FIND(d, n, "\"finish_reason\":null", fin + 20) >= 0
+        || FIND(d, n, "\"prompt_token_ids\":[", 0) >= 0 || FIND(d, n, "\"index\":0", 0) < 0)
+        return 0;
+    Py_ssize_t start = FIND(d, n, "\"token_ids\":[", 0);
+    if (start < 0)
+        return 0;
+    Py_ssize_t end = FIND(d, n, "]", start);
+    if (end < 0)
+        return 0;
+    const char *inner = d + start + 13;
+    Py_ssize_t inner_n = end - start - 13, count = check_ids(inner, inner_n);
+    if (count < 0)
+        return 0;
+    Py_ssize_t i = 0;
+    while (i < inner_n) {
+        Py_ssize_t j = i;
+        while (j < inner_n && inner[j] != ',')
+            j++;
+        PyObject *v = parse_id(inner + i, j - i);
+        if (v == NULL || PyList_Append(ids, v) < 0) {
+            Py_XDECREF(v);
+            return -1;
+        }
+        Py_DECREF(v);
+        i = j + 1;
+    }
+    *got = count;
+    *empty = FIND(d, n, "\"text\":\"\"", 0) >= 0 || FIND(d, n, "\"content\":\"\"", 0) >= 0;
+    if (out_put(out, "data: ", 6) < 0)
+        return -1;
+    if (wants_ids) {
+        if (out_put(out, d, n) < 0)
+            return -1;
+    } else if (out_put(out, d, start) < 0 || out_put(out, "\"token_ids\":null", 16) < 0
+               || out_put(out, d + end + 1, n - end - 1) < 0) {
+        return -1;
+    }
+    return out_put(out, "\n\n", 2) < 0 ? -1 : 1;
+}
+
+/* -- the type ----------------------------------------------------------------- */
+
+static PyObject *
+Parser_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "Parser() takes no arguments");
+        return NULL;
+    }
+    Parser *self = (Parser *)type->tp_alloc(type, 0);
+    return (PyObject *)self; /* tp_alloc zeroes: no parts */
+}
+
+static void
+Parser_dealloc(Parser *self)
+{
+    PyMem_Free(self->buf);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Parser_feed(Parser *self, PyObject *chunk)
+{
+    if (!PyBytes_Check(chunk)) {
+        PyErr_Format(PyExc_TypeError, "feed() takes bytes, not %.100s", Py_TYPE(chunk)->tp_name);
+        return NULL;
+    }
+    return split(self, chunk);
+}
+
+static PyObject *
+Parser_relay(Parser *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "relay(chunk: bytes, base: int, wants_ids: bool)");
+        return NULL;
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(args[1]);
+    int wants_ids = PyObject_IsTrue(args[2]);
+    if ((k == -1 && PyErr_Occurred()) || wants_ids < 0)
+        return NULL;
+    PyObject *events = split(self, args[0]);
+    if (events == NULL)
+        return NULL;
+    PyObject *ids = PyList_New(0), *records = PyList_New(0), *suspects = PyList_New(0);
+    PyObject *rest = NULL, *client = NULL, *result = NULL;
+    Out out = {NULL, 0, 0};
+    Py_ssize_t i, n = PyList_GET_SIZE(events);
+    if (ids == NULL || records == NULL || suspects == NULL)
+        goto done;
+    for (i = 0; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        Py_ssize_t got = 0;
+        int empty = 0, r = take(event, wants_ids, &out, ids, &got, &empty);
+        if (r < 0)
+            goto done;
+        if (r == 0)
+            break;
+        k += got;
+        PyObject *record = Py_BuildValue("(nO)", k, event);
+        if (record == NULL || PyList_Append(records, record) < 0) {
+            Py_XDECREF(record);
+            goto done;
+        }
+        Py_DECREF(record);
+        if (got == 1 && empty
+            && PyList_Append(suspects, PyList_GET_ITEM(ids, PyList_GET_SIZE(ids) - 1)) < 0)
+            goto done;
+    }
+    rest = PyList_GetSlice(events, i, n);
+    client = PyBytes_FromStringAndSize(out.p ? out.p : "", out.len);
+    if (rest != NULL && client != NULL)
+        result = PyTuple_Pack(5, client, ids, records, suspects, rest);
+done:
+    PyMem_Free(out.p);
+    Py_XDECREF(client);
+    Py_XDECREF(rest);
+    Py_XDECREF(ids);
+    Py_XDECREF(records);
+    Py_XDECREF(suspects);
+    Py_DECREF(events);
+    return result;
+}
+
+static PyMethodDef Parser_methods[] = {
+    {"feed", (PyCFunction)Parser_feed, METH_O, "Raw bytes in; each complete event's data out."},
+    {"relay", (PyCFunction)(void (*)(void))Parser_relay, METH_FASTCALL,
+     "One read: (client bytes, ids, records, suspects, events left to Python)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ParserType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.dataplane._events.Parser",
+    .tp_basicsize = sizeof(Parser),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "SSEParser, compiled: the same feed() and relay().",
+    .tp_new = Parser_new,
+    .tp_dealloc = (destructor)Parser_dealloc,
+    .tp_methods = Parser_methods,
+};
+
+static PyObject *
+bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyExceptionClass_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "bind(error: type[Exception], max_event: int)");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    Py_INCREF(args[0]);
+    Py_XSETREF(too_large, args[0]);
+    max_event = limit;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
+     "The exception for an event over max_event bytes, and that bound."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "proxy.dataplane._events",
+    "The per-read event path of a stream, compiled (proxy.dataplane.sse: the reference).", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__events(void)
+{
+    if (PyType_Ready(&ParserType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&ParserType);
+    if (PyModule_AddObject(m, "Parser", (PyObject *)&ParserType) < 0) {
+        Py_DECREF(&ParserType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,19 @@
+"""The compiled event path: built where a C compiler is, skipped where not.
+
+Metadata lives in pyproject.toml; this file only declares the extension.
+``optional=True``: an image without gcc (docker/Dockerfile.proxy) still
+installs, and runs the pure-Python reference (proxy.dataplane.sse).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "proxy.dataplane._events",
+            ["proxy/dataplane/_events.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        )
+    ]
+)
