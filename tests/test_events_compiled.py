@@ -26,7 +26,7 @@ def test_the_compiled_parser_is_the_one_streams_use() -> None:
     """CI builds the extension (``make setup``: ``pip install -e .``) and must
     test it, not fall back to the reference without saying so."""
     if sse.IMPLEMENTATION != "compiled":
-        why = "FTPROXY_EVENTS=python" if os.environ.get("FTPROXY_EVENTS") == "python" else ""
+        why = "(FTPROXY_EVENTS=python)" if os.environ.get("FTPROXY_EVENTS") == "python" else ""
         optional.unavailable("compiled", f"streams use the pure-Python parser {why}".strip())
     assert sse.new_parser is compiled().Parser
 
