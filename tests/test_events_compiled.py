@@ -41,17 +41,19 @@ def test_the_environment_picks_the_reference() -> None:
 
 # -- drawn streams -------------------------------------------------------------
 
-TEXTS = st.sampled_from(["a", "", " ", 'b \\"q\\" é', "\\n\\n", "data: x", "😀"])
+TEXTS = st.sampled_from(["a", "", "", " ", 'b \\"q\\" é', "\\n\\n", "data: x", "😀"])
 IDS = st.one_of(
+    st.integers(0, 200_000).map(str),  # the common chunk's one token
     st.lists(st.integers(0, 200_000), max_size=3).map(lambda xs: ",".join(map(str, xs))),
     st.sampled_from(["", "12345678901234567890123", " 5", "+5", "1,,2", "1_0", "x", "-1"]),
 )
+KINDS = ["completion"] * 3 + ["chat"] * 3 + ["usage", "done", "error", "junk"]
 
 
 @st.composite
 def chunk(draw: st.DrawFn) -> bytes:
     """One vLLM-shaped event payload, or something a rank should not send."""
-    kind = draw(st.sampled_from(["completion", "chat", "usage", "done", "error", "junk"]))
+    kind = draw(st.sampled_from(KINDS))
     if kind == "done":
         return b"[DONE]"
     if kind == "junk":
@@ -60,18 +62,21 @@ def chunk(draw: st.DrawFn) -> bytes:
         return b'{"error":{"message":"bad","code":400}}'
     if kind == "usage":
         return b'{"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5}}'
-    finish = draw(st.sampled_from(["null", "null", "null", '"stop"', '"length"', '"abort"']))
+    finish = draw(st.sampled_from(["null"] * 4 + ['"stop"', '"length"', '"abort"']))
     text = draw(TEXTS).encode()
     field = b'"text":"%s"' % text if kind == "completion" else b'"delta":{"content":"%s"}' % text
     ids = draw(st.one_of(st.none(), IDS))
     tail = b"" if ids is None else b',"token_ids":[%s]' % ids.encode()
-    if draw(st.booleans()) and ids is not None and not draw(st.integers(0, 4)):
+    if ids is not None and not draw(st.integers(0, 9)):
         tail = b',"token_ids":null'
     prompt = b',"prompt_token_ids":[1,2]' if not draw(st.integers(0, 6)) else b""
     index = draw(st.sampled_from([b"0", b"0", b"1"]))
+    # n > 1: vLLM sends one choice a chunk; two in one are no common chunk.
+    other = b',{"index":1,"text":"b","finish_reason":null}' if not draw(st.integers(0, 6)) else b""
     return (
         b'{"id":"c","object":"x","created":1,"model":"m","choices":[{"index":%s,%s,'
-        b'"logprobs":null,"finish_reason":%s%s}]%s}' % (index, field, finish.encode(), tail, prompt)
+        b'"logprobs":null,"finish_reason":%s%s}%s]%s}'
+        % (index, field, finish.encode(), tail, other, prompt)
     )
 
 

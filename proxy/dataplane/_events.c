@@ -314,6 +314,50 @@ parse_id(const char *p, Py_ssize_t n)
     return v;
 }
 
+/* What take() looks for in a chunk, found in one pass: every pattern begins
+ * with a quote, so looking at each quote finds every occurrence (none of
+ * them overlaps itself, so counting there is bytes.count). */
+typedef struct {
+    Py_ssize_t finish_nulls; /* "finish_reason":null */
+    int prompt_ids;          /* "prompt_token_ids":[ */
+    int index0;              /* "index":0 */
+    Py_ssize_t ids;          /* the first "token_ids":[, or -1 */
+    int empty;               /* "text":"" or "content":"" */
+} Scan;
+
+#define AT(q, lit) \
+    (end - (q) >= (Py_ssize_t)(sizeof(lit) - 1) && memcmp((q), (lit), sizeof(lit) - 1) == 0)
+
+static void
+scan(const char *d, Py_ssize_t n, Scan *s)
+{
+    const char *q = d, *end = d + n;
+    *s = (Scan){0, 0, 0, -1, 0};
+    while ((q = memchr(q, '"', (size_t)(end - q))) != NULL) {
+        switch (end - q > 1 ? q[1] : 0) {
+        case 'f':
+            s->finish_nulls += AT(q, "\"finish_reason\":null");
+            break;
+        case 'p':
+            s->prompt_ids |= AT(q, "\"prompt_token_ids\":[");
+            break;
+        case 'i':
+            s->index0 |= AT(q, "\"index\":0");
+            break;
+        case 't':
+            if (s->ids < 0 && AT(q, "\"token_ids\":["))
+                s->ids = q - d;
+            else
+                s->empty |= AT(q, "\"text\":\"\"");
+            break;
+        case 'c':
+            s->empty |= AT(q, "\"content\":\"\"");
+            break;
+        }
+        q++;
+    }
+}
+
 /* One event taken on bytes: 1, its client bytes written to `out` and its ids
  * appended to `ids`; 0: not the common chunk (nothing written). */
 static int
@@ -322,13 +366,11 @@ take(PyObject *event, int wants_ids, Out *out, PyObject *ids, Py_ssize_t *got,
 {
     const char *d = PyBytes_AS_STRING(event);
     Py_ssize_t n = PyBytes_GET_SIZE(event);
-    Py_ssize_t fin = FIND(d, n, "\"finish_reason\":null", 0);
-    if (fin < 0 || FIND(d, n, "\"finish_reason\":null", fin + 20) >= 0
-        || FIND(d, n, "\"prompt_token_ids\":[", 0) >= 0 || FIND(d, n, "\"index\":0", 0) < 0)
+    Scan s;
+    scan(d, n, &s);
+    if (s.finish_nulls != 1 || s.prompt_ids || !s.index0 || s.ids < 0)
         return 0;
-    Py_ssize_t start = FIND(d, n, "\"token_ids\":[", 0);
-    if (start < 0)
-        return 0;
+    Py_ssize_t start = s.ids;
     Py_ssize_t end = FIND(d, n, "]", start);
     if (end < 0)
         return 0;
@@ -350,7 +392,7 @@ take(PyObject *event, int wants_ids, Out *out, PyObject *ids, Py_ssize_t *got,
         i = j + 1;
     }
     *got = count;
-    *empty = FIND(d, n, "\"text\":\"\"", 0) >= 0 || FIND(d, n, "\"content\":\"\"", 0) >= 0;
+    *empty = s.empty;
     if (out_put(out, "data: ", 6) < 0)
         return -1;
     if (wants_ids) {
@@ -422,7 +464,9 @@ Parser_relay(Parser *self, PyObject *const *args, Py_ssize_t nargs)
         if (r == 0)
             break;
         k += got;
-        PyObject *record = Py_BuildValue("(nO)", k, event);
+        PyObject *at = PyLong_FromSsize_t(k);
+        PyObject *record = at ? PyTuple_Pack(2, at, event) : NULL;
+        Py_XDECREF(at);
         if (record == NULL || PyList_Append(records, record) < 0) {
             Py_XDECREF(record);
             goto done;
@@ -487,9 +531,11 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "proxy.dataplane._events",
-    "The per-read event path of a stream, compiled (proxy.dataplane.sse: the reference).", -1,
-    module_methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "proxy.dataplane._events",
+    .m_doc = "The per-read event path of a stream, compiled (proxy.dataplane.sse: the reference).",
+    .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC
