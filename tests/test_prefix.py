@@ -168,6 +168,17 @@ def test_continuation_prefers_its_rank_when_routable() -> None:
     assert got is not None and (got.rank.name, got.reason) == ("a", "prefix")
 
 
+def test_a_forgotten_rank_loses_its_index_and_sessions() -> None:
+    r = router(balance_abs=100)
+    a, b = rank("a"), rank("b")
+    r.record("b", key(list(range(8)), "s1"))
+    r.record("a", key(list(range(4))))
+    r.forget(["b"])  # b is a new engine now, at another url
+    assert "b" not in r.sizes()
+    got = r.pick([a, b], frozenset(), key(list(range(8)), "s1"))
+    assert got is not None and (got.rank.name, got.reason) == ("a", "prefix")
+
+
 GOOD = """\
 groups:
   - name: g

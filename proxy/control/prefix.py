@@ -170,6 +170,15 @@ class PrefixRouter:
         """Blocks each rank's index holds (``/admin/ranks``)."""
         return {name: len(index) for name, index in self._index.items()}
 
+    def forget(self, names: Iterable[str]) -> None:
+        """Ranks gone from the table, or replaced by a rank at another url (a
+        new engine, its cache empty): their index and sessions go with them."""
+        gone = set(names)
+        for name in gone:
+            self._index.pop(name, None)
+        for session in [s for s, rank in self._sessions.items() if rank in gone]:
+            del self._sessions[session]
+
     def pick(
         self,
         ranks: Iterable[Rank],
