@@ -11,6 +11,7 @@ from multidict import CIMultiDict
 from proxy.control.balancer import SmoothWeightedBalancer
 from proxy.control.prefix import (
     CHARS_PER_TOKEN,
+    MAX_KEY_BLOCKS,
     PrefixRouter,
     RankIndex,
     RouteKey,
@@ -62,6 +63,53 @@ def test_route_key_by_ids_text_or_messages_and_model() -> None:
     assert route_key(cfg, {"prompt": 5}, {}).blocks == ()
     other = route_key(cfg, {"prompt": text, "model": "b"}, {})
     assert other.blocks[0] != route_key(cfg, {"prompt": text, "model": "a"}, {}).blocks[0]
+
+
+def test_a_batch_of_one_token_id_list_is_its_prompt() -> None:
+    cfg = CacheAware(block_size=2)
+    ids = [1, 2, 3, 4, 5]
+    one = route_key(cfg, {"prompt": ids}, {}).blocks
+    assert one and route_key(cfg, {"prompt": [ids]}, {}).blocks == one
+    assert route_key(cfg, {"prompt": [ids, ids]}, {}).blocks == ()  # a batch: no one prompt
+
+
+def test_chat_messages_differing_in_tool_calls_are_different_prefixes() -> None:
+    cfg = CacheAware(block_size=1)
+
+    def chat(call: str) -> dict[str, Any]:
+        tool_call = {"id": "c1", "type": "function", "function": {"name": call, "arguments": "{}"}}
+        return {
+            "messages": [
+                {"role": "user", "content": "what is the weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                {"role": "user", "content": "and tomorrow?"},
+            ]
+        }
+
+    a, b = route_key(cfg, chat("get_weather"), {}), route_key(cfg, chat("get_time"), {})
+    assert a.blocks[:4] == b.blocks[:4]  # the same first message
+    assert a.blocks != b.blocks
+
+
+class Unread(dict[str, Any]):
+    """A message that must not be looked at."""
+
+    def get(self, *_: Any) -> Any:
+        raise AssertionError("a message past the hashed head was rendered")
+
+
+def test_only_the_hashed_head_of_a_huge_prompt_is_read() -> None:
+    cfg = CacheAware(block_size=2)
+    ids = list(range(MAX_KEY_BLOCKS * 2))
+    whole = route_key(cfg, {"prompt": ids}, {}).blocks
+    assert len(whole) == MAX_KEY_BLOCKS
+    # What lies past the head is not walked (here: not ids, which the body
+    # check refuses before; the key is that of the head).
+    assert route_key(cfg, {"prompt": [*ids, "x"]}, {}).blocks == whole
+    text = "a" * (MAX_KEY_BLOCKS * 2 * CHARS_PER_TOKEN)
+    messages = [{"role": "user", "content": text}, Unread(role="user", content="b")]
+    assert len(route_key(cfg, {"messages": messages}, {}).blocks) == MAX_KEY_BLOCKS
 
 
 def test_session_from_user_or_header() -> None:
