@@ -65,6 +65,20 @@ def test_route_key_by_ids_text_or_messages_and_model() -> None:
     assert other.blocks[0] != route_key(cfg, {"prompt": text, "model": "a"}, {}).blocks[0]
 
 
+def test_a_cache_salt_is_another_prefix() -> None:
+    """vLLM never shares cached blocks between requests of different
+    ``cache_salt`` (tenants kept apart): the same prompt is another prefix."""
+    cfg = CacheAware(block_size=2)
+    text = "a" * (2 * CHARS_PER_TOKEN * 3)
+
+    def blocks(**extra: Any) -> tuple[int, ...]:
+        return route_key(cfg, {"model": "m", "prompt": text, **extra}, {}).blocks
+
+    assert blocks(cache_salt="t1") == blocks(cache_salt="t1")
+    assert blocks(cache_salt="t1")[0] != blocks(cache_salt="t2")[0]
+    assert blocks(cache_salt="t1")[0] != blocks()[0]
+
+
 def test_a_batch_of_one_token_id_list_is_its_prompt() -> None:
     cfg = CacheAware(block_size=2)
     ids = [1, 2, 3, 4, 5]

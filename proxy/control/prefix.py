@@ -119,8 +119,9 @@ def _render(m: Any) -> str:
 
 def route_key(cfg: CacheAware, body: Mapping[str, Any], headers: Mapping[str, str]) -> RouteKey:
     """The key of a completions or chat body (a continuation's included)."""
-    # Different models never share a cached block, even for the same text.
-    seed = hash(str(body.get("model")))
+    # Different models never share a cached block, even for the same text;
+    # nor do requests of different cache_salt (vLLM's prefix-cache isolation).
+    seed = hash((str(body.get("model")), str(body.get("cache_salt"))))
     prompt, messages = body.get("prompt"), body.get("messages")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # one prompt in a batch of one: the engine's one request
