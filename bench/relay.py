@@ -288,8 +288,11 @@ def run_all(
                         for name, (port, p) in procs.items():
                             pid = p.pid if p else None
                             spy = None
-                            if profile and name == "ft-proxy" and rep == 0:
-                                spy = profile.with_name(f"{profile.stem}-{w.key}{profile.suffix}")
+                            if profile and name.startswith("ft-proxy") and rep == 0:
+                                tag = name.replace("@", "-")  # every version: a diff
+                                spy = profile.with_name(
+                                    f"{profile.stem}-{tag}-{w.key}{profile.suffix}"
+                                )
                             s = await _measure(port, pid, w, seconds, spy)
                             samples[name].setdefault(w.key, []).append(s)
                             print(f"   rep {rep + 1} {w.key:8} {name:12} {s}", file=sys.stderr)
@@ -374,8 +377,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--only", default=",".join(TARGETS), help="comma-separated targets")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--profile", type=Path,
-                        help="py-spy ft-proxy: PATH-{streams,small}.svg (other: raw)")  # fmt: skip
+    parser.add_argument(
+        "--profile", type=Path, help="py-spy each ft-proxy: PATH-NAME-{streams,small}.svg (or raw)"
+    )
     parser.add_argument(
         "--versions", default="", help="comma-separated git revisions of ft-proxy to measure beside"
     )

@@ -62,7 +62,7 @@ def rank_table(ranks: list[dict[str, Any]]) -> Table:
             str(r["weight"]),
             str(r["in_flight"]),
             heard,
-            note or "",
+            note,
         )
     return table
 

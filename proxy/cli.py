@@ -8,8 +8,9 @@ import contextlib
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from proxy.core.settings import ConfigError, Settings, load_settings
 from proxy.telemetry import logformat
@@ -41,14 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(coro_factory: object) -> None:
+def _run(coro: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:  # uvloop is optional off Linux/macOS
         pass
-    asyncio.run(coro_factory)  # type: ignore[arg-type]
+    asyncio.run(coro)
 
 
 def _admin(args: argparse.Namespace) -> int:
@@ -104,13 +105,7 @@ def _worker(settings: Settings, config_path: Path | None, sock: socket.socket, r
     from proxy.control.coordination.backend import for_settings
     from proxy.server import serve_forever
 
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve_forever(settings, config_path, sock, for_settings(settings, run)))
+    _run(serve_forever(settings, config_path, sock, for_settings(settings, run)))
     return 0
 
 

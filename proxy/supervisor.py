@@ -76,7 +76,7 @@ class Supervisor:
         )
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
-        signal.signal(signal.SIGHUP, self._on_hup)
+        signal.signal(signal.SIGHUP, self._forward)  # reload
         try:
             for slot in range(self.n):
                 self._spawn(slot)
@@ -96,10 +96,7 @@ class Supervisor:
             self.sock = None
         self._forward(signum)  # a second signal makes the workers hurry
 
-    def _on_hup(self, signum: int, frame: FrameType | None) -> None:
-        self._forward(signum)
-
-    def _forward(self, signum: int) -> None:
+    def _forward(self, signum: int, frame: FrameType | None = None) -> None:
         for pid in list(self.pids):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)

@@ -144,6 +144,8 @@ class FakeRank:
     # The first this many /detokenize calls answer 503 (an API server too busy).
     detokenize_fails: int = 0
     last_ft_request_id: str | None = None
+    # The body of GET /metrics (Prometheus text), e.g. vllm:engine_healthy; None: 404.
+    metrics: bytes | None = None
     # Every generation request's prompt goes through it (hit: its head of
     # blocks this rank has prefilled before).
     cache: PrefixCache = field(default_factory=PrefixCache)
@@ -201,6 +203,7 @@ class FakeRank:
         app.router.add_get(ft + "/status", self._status)
         app.router.add_post(ft + "/apply", self._apply)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -306,6 +309,11 @@ class FakeRank:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({})  # stays 200 while unhealthy, as vLLM does
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            raise web.HTTPNotFound()
+        return web.Response(body=self.metrics, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(

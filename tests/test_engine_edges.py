@@ -3,6 +3,7 @@ another build, a 503 that never ends, SGLang after a scale_down."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -28,9 +29,26 @@ async def test_a_rank_refusing_503_forever_ends_in_a_clear_error_not_a_hot_loop(
     took = time.monotonic() - started
     assert code in (502, 503, 504), (code, body)
     assert isinstance(body.get("error"), dict) and body["error"].get("message"), body
+    assert len(body["error"]["message"]) < 300, body  # each failure once, with its count
     assert took < 3.0, took
     # one try per poll that brings it back at most (poll 0.05 s, 1 s queue)
     assert a.refused <= 40, a.refused
+
+
+@pytest.mark.parametrize("shape", ["vllm-v1", "sglang"])
+async def test_503s_while_polls_lag_are_spaced_so_the_request_outlasts_the_fault(
+    fakes, proxy, http, shape
+) -> None:
+    # Polls every 0.05 s say healthy while the engine refuses: without a wait
+    # between 503s the request's 9 upstream requests would all be spent in
+    # half a second, before the engine is back at 0.6 s.
+    a = await fakes(name="a", shape=shape, reports_fault=False)
+    p = await proxy(settings([a]))
+    a.fault()
+    asyncio.get_running_loop().call_later(0.6, a.recover)
+    async with http.post(p.url + "/v1/completions", json={"prompt": "x"}) as r:
+        assert r.status == 200, await r.text()
+    assert 2 <= a.refused <= 6, a.refused
 
 
 async def test_a_probe_answered_429_decides_nothing(proxy) -> None:

@@ -121,7 +121,9 @@ class Poller:
             rank.name, sent_at, Source.POLL, reachable=True, status=status, detail=detail
         )
 
-    async def _read_status(self, rank: Rank) -> tuple[RankStatus | str, dict[str, Any]]:
+    async def _read_status(self, rank: Rank) -> tuple[RankStatus | str | None, dict[str, Any]]:
+        """The rank's status and its detail; None: this poll tells only
+        whether the rank answers."""
         engine = by_name(rank.api) if rank.api else await self._probe(rank)
         if engine is None:  # the probe could not tell yet
             return RankStatus.UNKNOWN, {"reason": "engine API not known yet"}
@@ -129,6 +131,10 @@ class Poller:
             # Its body is read too (and bounded): an answer cut short or too
             # long is a failed poll, whatever its status said.
             answer = await self.upstream.get(rank.url, "/health", self.bound)
+            if rank.engine_healthy and answer.status == 200:
+                # Its status is vllm:engine_healthy's (proxy.control.healthmetric):
+                # /health stays 200 while an engine is faulted.
+                return None, {}
             status = RankStatus.HEALTHY if answer.status == 200 else RankStatus.UNHEALTHY
             return status, {"http_status": answer.status}
         answer = await self.upstream.get(rank.url, engine.status_path, self.bound)

@@ -159,12 +159,8 @@ class RankIndex:
         return len(self._blocks)
 
     def matched(self, blocks: tuple[int, ...]) -> int:
-        n = 0
-        for b in blocks:
-            if b not in self._blocks:
-                break
-            n += 1
-        return n
+        """How many of ``blocks``, from the first, it holds."""
+        return next((i for i, b in enumerate(blocks) if b not in self._blocks), len(blocks))
 
     def add(self, blocks: tuple[int, ...]) -> None:
         # Last block first: a prompt's head ends most recent, so eviction

@@ -1,7 +1,9 @@
 """The rank table: the one place that knows every rank's state.
 
-Writers: the status poller, the push feed, the data plane's passive signals
-(connection refused) and, later, the admin plane. Readers: the balancer, the
+Writers: the status poller, the push feed, the ``vllm:engine_healthy``
+scraper, the data plane's passive signals (connection refused) and the
+liveness's ejections of ranks that show no progress while they say healthy
+(:mod:`proxy.control.liveness`: beside the status, never in it). Readers: the balancer, the
 relay, ``/health``, ``/metrics``. Every observation carries the time it was
 made on the proxy's monotonic clock and the newest wins, so a slow poll answer
 never overwrites a fresher push.
@@ -62,6 +64,7 @@ class Source(StrEnum):
     PUSH = "push"  # the status feed: says nothing about the HTTP server
     POLL = "poll"
     RELAY = "relay"  # the data plane's passive signals
+    METRICS = "metrics"  # vllm:engine_healthy on the rank's /metrics
 
 
 @dataclass
@@ -105,6 +108,12 @@ class Rank:
     removed_dp: frozenset[int] = frozenset()
     # Why its group cannot take work (a peer's state), kept by the table.
     group_reason: str | None = None
+    # Out of rotation while it reports healthy: why (proxy.control.liveness).
+    # Its own, not its group's: a peer that keeps answering is not in lockstep
+    # with it, and a peer that is stalls and is ejected on its own.
+    ejected: str | None = None
+    # Its group scrapes vllm:engine_healthy (proxy.control.healthmetric).
+    engine_healthy: bool = False
     # Model names it serves (its /v1/models), None until learned.
     models: frozenset[str] | None = None
     models_at: float = 0.0  # monotonic time they were learned
@@ -127,7 +136,7 @@ class Rank:
         """Why new requests do not go here, or None when they may."""
         if self.weight <= 0:
             return "drained (weight 0)"
-        return self.own_fault or self.group_reason
+        return self.own_fault or self.ejected or self.group_reason
 
     @property
     def routable(self) -> bool:
@@ -149,6 +158,7 @@ class Rank:
             "reason": self.reason,
             "source": self.source,
             "fault_info": self.fault_info,
+            "ejected": self.ejected,
             "detail": self.detail,
             "in_flight": self.in_flight,
             "last_heard": self.last_heard,
@@ -186,6 +196,7 @@ class RankTable:
         groups = list(groups)
         wanted = {r.name: (g.name, i, r) for g in groups for i, r in enumerate(g.ranks)}
         engines = {g.name: g.engine for g in groups}
+        scraped = {g.name for g in groups if g.engine_healthy}
         diff: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
         for name in [n for n in self.ranks if n not in wanted]:
             del self.ranks[name]
@@ -207,6 +218,7 @@ class RankTable:
                 diff["changed"].append(name)
                 rank.weight, rank.group = cfg.weight, group
             self.ranks[name].dp_rank = dp_rank
+            self.ranks[name].engine_healthy = group in scraped
         self.notify()
         return diff
 
@@ -281,6 +293,25 @@ class RankTable:
         if (rank.status, rank.reachable, rank.detail) != before:
             self.notify()
         return status_applied if status is not None else applied
+
+    def eject(self, name: str, reason: str) -> bool:
+        """Take a rank that says healthy out of rotation; False if it is gone
+        or out already."""
+        rank = self.ranks.get(name)
+        if rank is None or rank.ejected is not None:
+            return False
+        rank.ejected = reason
+        self.notify()
+        return True
+
+    def readmit(self, name: str) -> bool:
+        """Put an ejected rank back; False if it was not ejected."""
+        rank = self.ranks.get(name)
+        if rank is None or rank.ejected is None:
+            return False
+        rank.ejected = None
+        self.notify()
+        return True
 
     def notify(self) -> None:
         self._judge_groups()

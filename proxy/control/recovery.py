@@ -118,14 +118,11 @@ class RoundSpec:
 
     def same_work(self, other: RoundSpec) -> bool:
         """Whether a caller asking for ``other`` may join a round for this spec."""
-        mine = None if self.targets is None else sorted(self.targets)
-        theirs = None if other.targets is None else sorted(other.targets)
-        return (self.group, self.instruction, self.params, mine) == (
-            other.group,
-            other.instruction,
-            other.params,
-            theirs,
-        )
+        return self._work() == other._work()
+
+    def _work(self) -> tuple[str, str, dict[str, Any], list[str] | None]:
+        targets = None if self.targets is None else sorted(self.targets)
+        return self.group, self.instruction, self.params, targets
 
 
 @dataclass
@@ -191,12 +188,7 @@ class Recovery:
             current = ActiveRound(spec, report, trigger, task)
             self._rounds[spec.group] = current
         elif not current.spec.same_work(spec):
-            raise RoundInProgress(
-                f"round {current.report.round_id} ({current.spec.instruction}) is in progress "
-                f"for group {spec.group}; wait for it to end, then ask again",
-                current.report.round_id,
-                current.spec.instruction,
-            )
+            raise RoundInProgress(spec.group, current.report.round_id, current.spec.instruction)
         return await asyncio.shield(current.task)
 
     async def wait_idle(self, group: str) -> None:

@@ -31,19 +31,29 @@ def parse_object(raw: bytes) -> dict[str, Any]:
         raise InvalidJson(f"request body is not valid JSON: {e}") from None
     if not isinstance(parsed, dict):
         raise InvalidJson("request body must be a JSON object")
-    _check_depth(parsed)
+    if nests_deeper(parsed, MAX_DEPTH):
+        raise InvalidJson(f"request body nests deeper than {MAX_DEPTH} levels")
     return parsed
 
 
-def _check_depth(root: dict[str, Any]) -> None:
-    # Iterative, so a deep document cannot exhaust the stack here or later.
-    stack: list[tuple[Any, int]] = [(root, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise InvalidJson(f"request body nests deeper than {MAX_DEPTH} levels")
-        values = node.values() if type(node) is dict else node
-        stack.extend((v, depth + 1) for v in values if type(v) in (dict, list))
+def nests_deeper(root: Any, limit: int) -> bool:
+    """Whether ``root`` (parsed JSON) holds containers more than ``limit``
+    levels deep. Level by level, without recursion, so a deep document cannot
+    exhaust the stack here or later; faster than the parse itself."""
+    level = [root] if type(root) in _CONTAINERS else []
+    for _ in range(limit):
+        level = [
+            v
+            for node in level
+            for v in (node.values() if type(node) is dict else node)
+            if type(v) in _CONTAINERS
+        ]
+        if not level:
+            return False
+    return True
+
+
+_CONTAINERS = (dict, list)
 
 
 # -- field types ---------------------------------------------------------------

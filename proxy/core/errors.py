@@ -20,7 +20,6 @@ checks both)::
     ├── RoundInProgress           409 another recovery round runs for the group
     ├── PayloadTooLarge           413 body over limits.max_body_bytes
     ├── UnsupportedMediaType      415 a Content-Encoding or Content-Type the proxy does not take
-    ├── HttpStatusError           any an HTTP error the server raised itself
     ├── UpstreamFailed            502 every attempt failed before the first byte
     ├── NoHealthyRank             503 nothing routable within the queue timeout
     ├── ProxyShutdown             503 the proxy stopped before the answer was ready
@@ -90,18 +89,6 @@ class MethodNotAllowed(ProxyError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
-class HttpStatusError(ProxyError):
-    """An HTTP error aiohttp raised itself, in the OpenAI shape."""
-
-    type, code = "invalid_request_error", "http_error"
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        if status >= 500:
-            self.type, self.code = "server_error", "internal_error"
-
-
 class NoHealthyRank(ProxyError):
     status, type, code = 503, "server_error", "no_healthy_rank"
 
@@ -122,8 +109,11 @@ class RoundInProgress(ProxyError):
 
     status, type, code = 409, "invalid_request_error", "round_in_progress"
 
-    def __init__(self, message: str, round_id: str, instruction: str) -> None:
-        super().__init__(message)
+    def __init__(self, group: str, round_id: str, instruction: str) -> None:
+        super().__init__(
+            f"round {round_id} ({instruction}) is in progress for group {group}; "
+            "wait for it to end, then ask again"
+        )
         self.extra = {"round_id": round_id, "instruction": instruction}
 
 

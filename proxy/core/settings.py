@@ -80,6 +80,9 @@ class GroupConfig(BaseModel):
     ranks: list[RankConfig] = Field(min_length=1)
     # The FT API its ranks speak (proxy.control.engines); auto: probed at start.
     engine: Literal["auto", "vllm-0.32", "vllm-v1", "sglang", "none"] = "auto"
+    # Scrape each rank's /metrics for vLLM's per-engine ``vllm:engine_healthy``
+    # gauge (PR #55915) as a status source beside the polls (proxy.control.healthmetric).
+    engine_healthy: bool = False
     auto_recovery: AutoRecoveryConfig = AutoRecoveryConfig()
 
 
@@ -126,6 +129,9 @@ class Timeouts(BaseModel):
     # Idle upstream connections are closed after this long: below vLLM's
     # (uvicorn's) 5 s keep-alive, so the proxy never reuses one the rank closed.
     upstream_idle_s: float = Field(4.0, gt=0, lt=5)
+    # How often ranks of a group with ``engine_healthy`` have /metrics scraped
+    # (vLLM renders every metric for it: costlier than a status poll).
+    engine_healthy_interval_s: float = Field(1.0, gt=0)
     # How long a new request waits for a healthy rank before 503.
     queue_s: float = Field(30.0, ge=0)
     # Missing heartbeats for this many publisher intervals: rank not routable.
@@ -142,6 +148,23 @@ class Hold(BaseModel):
     # on hold; beyond either, the stream ends with a budget_exceeded event.
     max_continuations: int = Field(8, ge=0)
     max_total_s: float = Field(300.0, gt=0)
+
+
+class Liveness(BaseModel):
+    """Passive ejection of a rank that answers nothing while it says healthy
+    (proxy.control.liveness)."""
+
+    enabled: bool = True
+    # A rank with requests in flight and no sign of progress on any of them
+    # (a first byte, a stream's event, an answer) for silence_s, plus
+    # silence_per_mib_s per MiB of the requests still waiting for their first
+    # byte (their prefill), is ejected while another rank answers.
+    silence_s: float = Field(60.0, gt=0)
+    silence_per_mib_s: float = Field(120.0, ge=0)
+    # An ejected rank is sent a 1-token completion this often; answered 200
+    # within probe_timeout_s, it is back in rotation.
+    probe_interval_s: float = Field(5.0, gt=0)
+    probe_timeout_s: float = Field(10.0, gt=0)
 
 
 class Limits(BaseModel):
@@ -319,6 +342,7 @@ class Settings(BaseSettings):
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
     hold: Hold = Hold()
+    liveness: Liveness = Liveness()
     admin: Admin = Admin()
     # How https:// rank URLs are verified, and a client certificate for them.
     upstream_tls: UpstreamTLS = UpstreamTLS()

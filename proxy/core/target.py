@@ -17,6 +17,8 @@ serving endpoint reads one).
 
 from __future__ import annotations
 
+import re
+
 from yarl import URL
 
 from proxy.core.errors import InvalidTarget
@@ -24,20 +26,21 @@ from proxy.core.errors import InvalidTarget
 # Bytes that may never appear percent-encoded in a path.
 _NO_ENCODED = frozenset(b"/\\.%") | frozenset(range(0x20)) | {0x7F}
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_VISIBLE = re.compile(r"[!-~]*")  # visible ASCII: no space, controls, NUL, 8-bit
 
 
 def check_target(raw: str) -> str:
     """The path of ``raw`` (a request target as received); raise if not in normal form."""
     if not raw.startswith("/"):
         raise InvalidTarget("the request target must be a path starting with '/'")
-    for ch in raw:
-        if not "!" <= ch <= "~":  # visible ASCII only: no space, controls, NUL, 8-bit
-            raise InvalidTarget("the request target has a character outside visible ASCII")
+    if not _VISIBLE.fullmatch(raw):  # one match, not a Python loop per character
+        raise InvalidTarget("the request target has a character outside visible ASCII")
     if "\\" in raw or "#" in raw:
         raise InvalidTarget("the request target has a backslash or '#'")
     path, _, query = raw.partition("?")
-    _check_escapes(path, in_path=True)
-    _check_escapes(query, in_path=False)
+    if "%" in raw:
+        _check_escapes(path, in_path=True)
+        _check_escapes(query, in_path=False)
     if path != "/":
         for segment in path[1:].split("/"):
             if segment in ("", ".", ".."):

@@ -87,7 +87,7 @@ class UpstreamTLS(BaseModel):
         return self
 
     def context(self) -> ssl.SSLContext | bool:
-        """What aiohttp's connector takes: a context, or False (no verification)."""
+        """What the rank client takes: a context, or False (no verification)."""
         if not self.verify and self.cert_file is None:
             return False
         if self.ca_file is None:

@@ -57,7 +57,8 @@ async def forward(
         out.body = raw[:-1] + (
             b',"return_token_ids":true}' if body else b'"return_token_ids":true}'
         )
-    answer = _stream if as_bool(body.get("stream")) else _whole
+    out.stream = as_bool(body.get("stream"))
+    answer = _stream if out.stream else _whole
     refused = refusal(body)
     async with relay.attempt(out) as attempt:
         await answer(relay, out, book, refused, reply, attempt)

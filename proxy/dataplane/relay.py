@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 
 from proxy.control import engines
 from proxy.control.balancer import SmoothWeightedBalancer
+from proxy.control.liveness import Liveness, Ticket
 from proxy.control.prefix import PrefixRouter, RouteKey, route_key
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
 from proxy.core.errors import (
@@ -33,6 +34,7 @@ from proxy.core.errors import (
     StaleConnection,
     UpstreamFailed,
 )
+from proxy.core.retry import RetryPolicy
 from proxy.core.settings import Settings
 from proxy.core.target import upstream_url
 from proxy.dataplane.budget import HeldStreams
@@ -43,6 +45,9 @@ from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.tracing import Tracing
 from proxy.upstream import response_headers
 from proxy.upstream.client import BODY_ERRORS, RankClient, RankResponse
+
+# Waits between the 503s of engines that refuse while faulted: Relay._back_off.
+REFUSED = RetryPolicy(base_s=0.1, cap_s=2.0, jitter=0.5)
 
 log = logging.getLogger("ftproxy.relay")
 
@@ -64,6 +69,9 @@ class Outbound:
     # continuation's request ran on.
     route: RouteKey | None = None
     prefer: str | None = None
+    # The client asked for a stream: its first event is due after the prefill,
+    # which the rank's liveness judges (proxy.control.liveness).
+    stream: bool = False
 
     def may_send(self) -> bool:
         return self.max_sent is None or self.sent < self.max_sent
@@ -74,6 +82,7 @@ class Attempt:
     rank: Rank
     response: RankResponse
     started: float
+    ticket: Ticket  # its progress, as the rank's liveness sees it
     # In its rank's in-flight count (the load cache-aware routing weighs):
     # from the client request's start, or a continuation's, to the end of
     # its upstream answer. A stream continued elsewhere loads that rank.
@@ -130,7 +139,16 @@ class Queue:
 
 
 def _after(failures: list[str]) -> str:
-    return f" (after: {'; '.join(failures)})" if failures else ""
+    return f" (after: {_said(failures)})" if failures else ""
+
+
+def _said(failures: list[str]) -> str:
+    """The failures once each, with their counts: a rank refusing through a
+    long wait would otherwise make a message of kilobytes."""
+    counts = dict.fromkeys(failures, 0)
+    for f in failures:
+        counts[f] += 1
+    return "; ".join(f if n == 1 else f"{f} x{n}" for f, n in counts.items())
 
 
 class Relay:
@@ -153,6 +171,7 @@ class Relay:
         self.waiting = 0  # requests waiting for a healthy rank (limits.max_queued)
         self.held = HeldStreams(settings.limits.max_held_streams)
         self.tracing: Tracing | None = None  # set by the app when tracing is on
+        self.liveness = Liveness(table, settings.liveness, metrics)
 
     async def forward(self, reply: Reply, out: Outbound) -> None:
         """Open ``out`` on a healthy rank and pass its answer on as it is."""
@@ -173,13 +192,14 @@ class Relay:
         """
         tried: set[str] = set()
         failures: list[str] = []
+        refusals = 0
         queue = Queue(self.settings.timeouts.queue_s if queue_s is None else queue_s)
         tries = 1 + self.settings.limits.upstream_retries
         while tries > 0:
             if not out.may_send():
                 failures.append("no upstream request left in this request's budget")
                 break
-            rank = await self._pick(frozenset(tried), queue, out, failures)
+            rank = await self._pick(frozenset(tried), queue, out, failures, refusals)
             if rank is None:
                 break
             tried.add(rank.name)
@@ -191,6 +211,7 @@ class Relay:
                 tries -= 1
                 continue
             if self._refused(attempt, failures):
+                refusals += 1
                 continue  # not the rank's answer: another's or, after the wait, its own
             tries -= 1
             if attempt.response.status < 500 or self._last_try(tried, out):
@@ -201,9 +222,20 @@ class Relay:
             failures.append(f"{rank.name}: HTTP {attempt.response.status}")
             self.metrics.upstream_errors.labels(rank.name, "http_5xx").inc()
             attempt.response.release()
-        raise UpstreamFailed("no rank could take the request: " + "; ".join(failures))
+        raise UpstreamFailed("no rank could take the request: " + _said(failures))
 
     async def _try(self, rank: Rank, out: Outbound, failures: list[str]) -> Attempt | None:
+        ticket = self.liveness.sent(rank.name, len(out.body), out.stream)
+        attempt = None
+        try:
+            attempt = await self._send(rank, out, failures, ticket)
+        finally:
+            ticket.answered(attempt.response if attempt is not None else None)
+        return attempt
+
+    async def _send(
+        self, rank: Rank, out: Outbound, failures: list[str], ticket: Ticket
+    ) -> Attempt | None:
         started = time.monotonic()
         url = upstream_url(rank.url, out.path)
         try:
@@ -260,7 +292,7 @@ class Relay:
             )
             return None
         self.metrics.child(self.metrics.ttfb, rank.name).observe(time.monotonic() - started)
-        return Attempt(rank, resp, started)
+        return Attempt(rank, resp, started, ticket)
 
     def _refused(self, attempt: Attempt, failures: list[str]) -> bool:
         """A 503 from an engine that answers so while faulted (vLLM v1's
@@ -269,8 +301,10 @@ class Relay:
         goes elsewhere or waits as a new one does; never the client's answer.
         A rank back within the wait counts again (the loop is bounded by the
         request's budget and the queue time)."""
+        if attempt.response.status != 503:
+            return False
         rank, engine = attempt.rank, engines.of(attempt.rank)
-        if attempt.response.status != 503 or engine is None or not engine.refuses_when_faulted:
+        if engine is None or not engine.refuses_when_faulted:
             return False
         attempt.response.release()
         failures.append(f"{rank.name}: engine faulted (503)")
@@ -281,6 +315,20 @@ class Relay:
             rank.name, None, Source.RELAY, reachable=True, status=unhealthy, detail=detail
         )
         return True
+
+    async def _back_off(self, refusals: int, queue: Queue) -> None:
+        """Before taking a rank again after its second 503 in one request,
+        wait (doubling): an engine that refuses while faulted may still pass
+        its status polls as healthy, and each poll would make its rank
+        routable again, so without a wait one fault would spend the request's
+        whole upstream budget in a few poll intervals. It counts as queue time."""
+        if refusals < 2:
+            return  # the first: another rank may take it at once
+        wait_s = min(REFUSED.delay(refusals - 1), queue.left_s)
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+            queue.waited_s += wait_s
+            self._waited(wait_s)
 
     async def _try_traced(
         self, tracing: Tracing, rank: Rank, out: Outbound, failures: list[str]
@@ -306,7 +354,12 @@ class Relay:
         return route_key(self.settings.routing.cache_aware, body, headers)
 
     async def _pick(
-        self, tried: frozenset[str], queue: Queue, out: Outbound, failures: list[str]
+        self,
+        tried: frozenset[str],
+        queue: Queue,
+        out: Outbound,
+        failures: list[str],
+        refusals: int = 0,
     ) -> Rank | None:
         model = out.model
         rank = self._choose(self.table.serving(model), tried, out)
@@ -320,7 +373,10 @@ class Relay:
         serving = self.table.serving(model)
         # A rank that failed is taken again only when no other is back: it
         # was out of rotation, and a newer poll or push brought it back.
-        return self._choose(serving, tried, out) or self._choose(serving, frozenset(), out)
+        if (other := self._choose(serving, tried, out)) is not None:
+            return other
+        await self._back_off(refusals, queue)
+        return self._choose(self.table.serving(model), frozenset(), out)
 
     def _learn(self, rank: Rank, out: Outbound, status: int) -> None:
         """A rank that took a prompt has it cached now (cache-aware routing)."""
@@ -441,6 +497,7 @@ class Relay:
             rec = accesslog.current()
             try:
                 async for chunk in up.chunks():
+                    attempt.ticket.heard()
                     if rec is not None:
                         rec.first_byte()
                         rec = None

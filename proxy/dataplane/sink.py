@@ -4,11 +4,9 @@ Handlers answer through a Reply, not through a server's response objects: the
 connection's (``proxy.ingress.protocol.ConnReply``) writes bytes straight onto it.
 
 Streams are written to the client as HTTP chunks, straight onto its
-transport. aiohttp's ``StreamResponse.write`` goes through a chunked writer,
-three calls deep, for every event; a relay does it tens of thousands of times
-a second. :class:`ChunkSink` frames the chunk itself and writes it to the
-transport in one call, waiting only while the transport says the client is
-not reading (backpressure as before).
+transport: :class:`ChunkSink` frames each chunk and writes it in one call (a
+relay does so tens of thousands of times a second), waiting only while the
+transport says the client is not reading.
 """
 
 from __future__ import annotations
@@ -63,7 +61,9 @@ class Reply(Protocol):
 
 
 class ChunkSink:
-    """Chunked framing onto ``transport``; ``drain`` waits while the client is not reading."""
+    """Chunked framing onto ``transport``; ``drain`` waits while the client is not reading.
+    ``chunked`` False: the bytes as they come, for an HTTP/1.0 client (its
+    connection's close ends the body)."""
 
     direct = True
 
@@ -71,8 +71,9 @@ class ChunkSink:
         self,
         transport: Callable[[], asyncio.Transport | None],
         drain: Callable[[], Awaitable[None]],
+        chunked: bool = True,
     ) -> None:
-        self._transport, self._drain = transport, drain
+        self._transport, self._drain, self._chunked = transport, drain, chunked
 
     async def write(self, data: bytes) -> None:
         if not self.write_now(data):
@@ -84,7 +85,7 @@ class ChunkSink:
         transport = self._transport()
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client went away")
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
         return transport.get_write_buffer_size() <= HIGH_WATER
 
     async def drain(self) -> None:

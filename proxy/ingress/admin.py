@@ -172,7 +172,7 @@ async def scale_down(request: Request) -> Response:
     unknown = [n for n in body.removed if n not in by_name]
     if unknown:
         raise BadRequest(f"not ranks of group {body.group}: {', '.join(unknown)}")
-    survivors = [r for r in group if r.name not in body.removed]
+    survivors = [r.name for r in group if r.name not in body.removed]
     if not survivors:
         raise BadRequest("scale_down must leave at least one rank")
     params: dict[str, Any] = {"removed_dp_ranks": sorted(by_name[n].dp_rank for n in body.removed)}
@@ -183,12 +183,7 @@ async def scale_down(request: Request) -> Response:
             )
         params.update(dp_master_ip=body.dp_master_ip, dp_store_port=body.dp_store_port)
     spec = RoundSpec(
-        body.group,
-        "scale_down",
-        params,
-        [r.name for r in survivors],
-        body.wait_unhealthy_s,
-        body.recover_s,
+        body.group, "scale_down", params, survivors, body.wait_unhealthy_s, body.recover_s
     )
     report = await request.app[COORD].run_round(spec, Trigger.ADMIN)
     if report.outcome == Outcome.RECOVERED:

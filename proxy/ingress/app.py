@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -16,18 +16,16 @@ from proxy.control import models
 from proxy.control.coordination import COORD, Coordination
 from proxy.control.coordination.backend import for_settings
 from proxy.control.feed import Poller, PushFeed
+from proxy.control.healthmetric import Scraper
 from proxy.control.ranks import RankTable
 from proxy.control.recovery import AutoRecovery, Recovery
 from proxy.core.bodies import check_fields
-from proxy.core.errors import (
-    ModelNotFound,
-)
+from proxy.core.errors import ModelNotFound
 from proxy.core.forward import parse_forward
 from proxy.core.settings import Settings
 from proxy.core.tasks import supervised
 from proxy.dataplane import generation
 from proxy.dataplane.relay import Outbound, Relay
-from proxy.dataplane.sink import Reply
 from proxy.ingress import admin, drain
 from proxy.ingress.drain import DRAIN, Drain
 from proxy.ingress.inbound import check_api_key, read_json
@@ -66,35 +64,23 @@ async def proxy_v1(request: Request) -> None:
         body, parsed = await read_json(request, max_bytes, timeout_s)
     else:
         body = await request.body.read(max_bytes, timeout_s)
-    # The route's own path (from the config), not the client's spelling of it.
-    await forward_v1(
-        request.app,
-        request.reply,
-        request.method,
-        request.route,
-        request.headers,
-        body,
-        parsed,
-        request.request_id,
-    )
+    out, kind = _outbound(request, body, parsed)
+    if kind is not None and request.method == "POST":
+        await generation.forward(request.app[RELAY], request.reply, out, kind, parsed)
+    else:
+        await request.app[RELAY].forward(request.reply, out)
 
 
-async def forward_v1(
-    app: web.Application,
-    reply: Reply,
-    method: str,
-    path: str,
-    headers: Mapping[str, str],
-    body: bytes,
-    parsed: dict[str, Any],
-    request_id: str,
-) -> None:
-    """A serving request whose body is read (and, if JSON, parsed): checked,
-    then to a healthy rank."""
+def _outbound(request: Request, body: bytes, parsed: dict[str, Any]) -> tuple[Outbound, str | None]:
+    """A serving request whose body is read (and, if JSON, parsed), checked:
+    what goes upstream, and its generation kind if it is one."""
+    app = request.app
     if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
         rec.model = parsed["model"][:200]
-    strip_auth = bool(app[SETTINGS].api_keys)
-    out = Outbound(method, path, request_headers(headers, request_id, strip_auth), body, request_id)
+    # The route's own path (from the config), not the client's spelling of it.
+    method, path, rid = request.method, request.route, request.request_id
+    headers = request_headers(request.headers, rid, strip_auth=bool(app[SETTINGS].api_keys))
+    out = Outbound(method, path, headers, body, rid)
     kind = generation.KINDS.get(path)
     if kind is not None:
         check_fields(kind, parsed)
@@ -104,10 +90,7 @@ async def forward_v1(
         out.model = model
         if (served := app[TABLE].unknown_model(model)) is not None:
             raise ModelNotFound(model, served)
-    if kind is not None and method == "POST":
-        await generation.forward(app[RELAY], reply, out, kind, parsed)
-    else:
-        await app[RELAY].forward(reply, out)
+    return out, kind
 
 
 async def list_models(request: Request) -> Response:
@@ -194,6 +177,15 @@ async def _poll(app: web.Application) -> None:
     await Poller(app[TABLE], app[UPSTREAM], settings.timeouts, app[METRICS], settings.limits).run()
 
 
+async def _scrape(app: web.Application) -> None:
+    s = app[SETTINGS]
+    await Scraper(app[TABLE], app[UPSTREAM], s.timeouts, s.limits, app[METRICS]).run()
+
+
+async def _liveness(app: web.Application) -> None:
+    await app[RELAY].liveness.run(app[UPSTREAM])
+
+
 async def _push(app: web.Application) -> None:
     await PushFeed(app[TABLE], app[SETTINGS].timeouts, app[METRICS]).run()
 
@@ -249,6 +241,10 @@ def build_app(
     app.cleanup_ctx.append(_background("poller", _poll))
     app.cleanup_ctx.append(_background("models", _learn_models))
     app.cleanup_ctx.append(_background("push-feed", _push))
+    # Idle while no group scrapes (a reload may add one).
+    app.cleanup_ctx.append(_background("engine-healthy", _scrape))
+    if settings.liveness.enabled:
+        app.cleanup_ctx.append(_background("liveness", _liveness))
     app.cleanup_ctx.append(_background("auto-recovery", _auto_recovery))
     app[admin.WEIGHTS] = {}
     app[admin.REMOVED] = set()

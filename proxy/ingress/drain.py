@@ -112,15 +112,12 @@ class Drain:
             left = deadline - loop.time()
             if left <= 0:
                 break
-            idle, hurry = (
-                asyncio.ensure_future(self._idle.wait()),
-                asyncio.ensure_future(self.hurry.wait()),
-            )
+            waits = [asyncio.ensure_future(e.wait()) for e in (self._idle, self.hurry)]
             try:
-                await asyncio.wait([idle, hurry], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                idle.cancel()
-                hurry.cancel()
+                for w in waits:
+                    w.cancel()
         return not self._in_flight
 
     def cut(self) -> int:

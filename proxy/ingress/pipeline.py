@@ -102,73 +102,60 @@ class Pipeline:
                 span.set_status(error_status())
 
     async def _drained(self, req: Request, found: _Found) -> None:
-        """In flight until answered: a graceful stop that cuts it still ends it well."""
+        """In flight until answered: a graceful stop that cuts it still ends it
+        well. Every error an answer in the OpenAI shape. (One coroutine for
+        both steps: each layer of awaits costs every request.)"""
         entry = req.reply.entry = self.drain.enter()
         try:
-            await self._guarded(req, found)
+            await self._admitted(req, found)
+        except ProxyError as err:
+            await self._refused(req, err)
+        except ConnectionResetError:
+            raise  # the client left: nothing to answer (counted in serve)
         except asyncio.CancelledError:
             if not entry.cut:
                 raise  # the client went away, or the server is cancelling
             await self._end_cut(req, entry)
+        except Exception:
+            # A bug of ours: never a text/plain 500, never a traceback to the client.
+            log.exception("[%s] %s %s -> 500 internal error", req.request_id, req.method, req.path)
+            self.metrics.internal_errors.inc()
+            bug = ProxyError("internal error; see the proxy log for this request id")
+            await _answer_or_cut(req, error_answer(bug))
         finally:
             self.drain.leave(entry)
 
     async def _end_cut(self, req: Request, entry: InFlight) -> None:
         resp = await end_cut(entry)
-        if resp is None:
-            return  # its stream got an error event and its end
-        if req.reply.prepared:  # begun, not as an event stream: cut it so the client sees it
-            req.reply.abort()
-            return
-        await answer(req, resp)
+        if resp is not None:  # None: its stream got an error event and its end
+            await _answer_or_cut(req, resp)
 
-    async def _guarded(self, req: Request, found: _Found) -> None:
-        """Every error an answer in the OpenAI shape."""
-        try:
-            await self._admitted(req, found)
-        except ProxyError as err:
-            status, message = err.status, err.message
-            log.info("[%s] %s %s -> %d %s", req.request_id, req.method, req.path, status, message)
-            accesslog.refused(self.metrics, err)
-            if req.reply.prepared:  # too late for an answer of its own
-                req.reply.abort()
-                return
-            if err.close_connection:
-                req.reply.end_connection()
-            await answer(req, error_answer(err))
-        except ConnectionResetError:
-            raise  # the client left: nothing to answer (counted in serve)
-        except Exception:
-            # A bug of ours: never a text/plain 500, never a traceback to the client.
-            log.exception("[%s] %s %s -> 500 internal error", req.request_id, req.method, req.path)
-            self.metrics.internal_errors.inc()
-            if req.reply.prepared:  # the answer has begun: cut it so the client sees it
-                req.reply.abort()
-                return
-            bug = ProxyError("internal error; see the proxy log for this request id")
-            await answer(req, error_answer(bug))
+    async def _refused(self, req: Request, err: ProxyError) -> None:
+        status, message = err.status, err.message
+        log.info("[%s] %s %s -> %d %s", req.request_id, req.method, req.path, status, message)
+        accesslog.refused(self.metrics, err)
+        if err.close_connection:
+            req.reply.end_connection()
+        await _answer_or_cut(req, error_answer(err))
 
     async def _admitted(self, req: Request, found: _Found) -> None:
         """Target, request limit, admin token, route, handler."""
         check_target(req.target)  # before any handler or auth check runs
-        if req.path in EXEMPT:  # probes answer however busy the proxy is
-            await self._handled(req, found)
-            return
-        self.limit.admit()
+        limited = req.path not in EXEMPT  # probes answer however busy the proxy is
+        if limited:
+            self.limit.admit()
         try:
-            await self._handled(req, found)
+            if req.path.startswith("/admin/"):
+                check_admin_token(self.app[SETTINGS].admin.token, req.headers)
+            if isinstance(found, ProxyError):
+                raise found
+            route, req.params = found
+            req.route = route.path
+            if (resp := await route.handler(req)) is not None:
+                await answer(req, resp)
         finally:
-            self.limit.release()
-
-    async def _handled(self, req: Request, found: _Found) -> None:
-        if req.path.startswith("/admin/"):
-            check_admin_token(self.app[SETTINGS].admin.token, req.headers)
-        if isinstance(found, ProxyError):
-            raise found
-        route, req.params = found
-        req.route = route.path
-        if (resp := await route.handler(req)) is not None:
-            await answer(req, resp)
+            if limited:
+                self.limit.release()
 
 
 PIPELINE = web.AppKey("pipeline", Pipeline)
@@ -178,3 +165,12 @@ async def answer(req: Request, resp: Response) -> None:
     headers = CIMultiDict(resp.headers)
     headers["Content-Type"] = resp.content_type
     await req.reply.whole(resp.status, headers, resp.body)
+
+
+async def _answer_or_cut(req: Request, resp: Response) -> None:
+    """``resp``, unless the answer has begun: too late for another, so it is
+    cut and the client sees it."""
+    if req.reply.prepared:
+        req.reply.abort()
+        return
+    await answer(req, resp)

@@ -300,7 +300,7 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writable.set()
-        self.send_watch.resumed()
+        self.send_watch.stop()  # the client took enough
 
     async def drain(self) -> None:
         await self._writable.wait()
@@ -670,27 +670,6 @@ class _NoBody:
         pass
 
 
-class _RawSink:
-    """An HTTP/1.0 client's stream: the body as it comes, ended by the close."""
-
-    direct = True
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-
-    async def write(self, data: bytes) -> None:
-        if not self.write_now(data):
-            await self.drain()
-
-    def write_now(self, data: bytes) -> bool:
-        self.conn.write(data)
-        transport = self.conn.transport
-        return transport is not None and transport.get_write_buffer_size() <= 64 * 1024
-
-    async def drain(self) -> None:
-        await self.conn.drain()
-
-
 class ConnReply:
     """One request's answer, written straight onto its connection."""
 
@@ -721,8 +700,9 @@ class ConnReply:
             self.keep_alive = False  # kept-alive clients reconnect elsewhere
         if self.message is not None and self.message.last:
             self.keep_alive = False  # a trailer, an upgrade: nothing after it is read
+        headers.popall("Connection", None)  # the proxy's own, below
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"]
-        lines.extend(f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "connection")
+        lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
         if "Date" not in headers:
             lines.append(f"Date: {_date()}\r\n")
         if "Server" not in headers:
@@ -747,6 +727,7 @@ class ConnReply:
 
     async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
         sink: Sink
+        conn = self.conn
         headers.popall("Content-Length", None)
         headers.popall("Transfer-Encoding", None)
         if bodiless(status) or self.head_only:
@@ -757,10 +738,9 @@ class ConnReply:
         elif self.http10:  # no chunked coding: the body ends with the connection
             self.keep_alive, self._raw = False, True
             self.conn.write(self._head(status, headers, "\r\n"))
-            sink = _RawSink(self.conn)
+            sink = ChunkSink(lambda: conn.transport, conn.drain, chunked=False)
         else:
             self.conn.write(self._head(status, headers, "Transfer-Encoding: chunked\r\n\r\n"))
-            conn = self.conn
             sink = ChunkSink(lambda: conn.transport, conn.drain)
         if self.entry is not None:
             self.entry.stream = self  # ended well if the drain cuts it (drain.end_cut)

@@ -45,11 +45,8 @@ class SendWatch:
         self._unsent, self._since = transport.get_write_buffer_size(), self.loop.time()
         self._arm()
 
-    def resumed(self) -> None:
-        """The client took enough: nobody waits on it now."""
-        self.stop()
-
     def stop(self) -> None:
+        """Nobody waits on the client now (it took enough, or it is gone)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -82,9 +79,6 @@ class SendWatch:
             self.timeout_s,
         )
         transport.abort()  # not close(): that would wait for the client to read
-
-
-# The watch of the connection a request came on (set by proxy.listener).
 
 
 def client_end(watch: SendWatch | None) -> End:

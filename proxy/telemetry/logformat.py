@@ -2,7 +2,7 @@
 
 In json every line is one object with the same keys, ``ts level logger msg``,
 plus ``request_id`` when the line was logged while serving a request (set by
-the access middleware) and ``exc`` for a traceback. The access
+the request pipeline) and ``exc`` for a traceback. The access
 log (:mod:`proxy.telemetry.accesslog`) writes its own lines in the same format.
 """
 
@@ -35,15 +35,13 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(obj).decode()
 
 
-class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+TEXT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def configure(fmt: Format, level: str) -> None:
     """Send every log line to stderr in ``fmt`` (replaces earlier handlers)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

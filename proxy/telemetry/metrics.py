@@ -96,57 +96,53 @@ class Metrics:
         # Bounded: label values are rank names, status codes and fixed reasons.
         self._children: dict[tuple[object, tuple[str, ...]], object] = {}
         r = self.registry
-        self.task_restarts = Counter(
-            "ftproxy_task_restarts",
-            "Background tasks restarted after dying, by task",
-            ["task"],
-            registry=r,
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.task_restarts = counter(
+            "ftproxy_task_restarts", "Background tasks restarted after dying, by task", "task"
         )
-        self.feed_dropped = Counter(
+        self.feed_dropped = counter(
             "ftproxy_feed_messages_dropped",
             "Status-feed messages dropped unread, by reason",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.too_large = Counter(
+        self.too_large = counter(
             "ftproxy_peer_answers_too_large",
             "Answers of ranks and etcd the proxy reads for itself refused over their size "
-            "bound, by peer (status, models, recovery, etcd)",
-            ["peer"],
-            registry=r,
+            "bound, by peer (status, models, recovery, etcd, probe, metrics)",
+            "peer",
         )
-        self.etcd_skipped = Counter(
+        self.etcd_skipped = counter(
             "ftproxy_etcd_skipped",
             "etcd entries and watch messages skipped as not of their shape, by reason "
             "(message, entry, value)",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.requests = Counter(
-            "ftproxy_requests",
-            "Requests answered, by rank and HTTP code",
-            ["rank", "code"],
-            registry=r,
+        self.requests = counter(
+            "ftproxy_requests", "Requests answered, by rank and HTTP code", "rank", "code"
         )
-        self.upstream_errors = Counter(
-            "ftproxy_upstream_errors",
-            "Attempts that failed before the first byte",
-            ["rank", "kind"],
-            registry=r,
+        self.upstream_errors = counter(
+            "ftproxy_upstream_errors", "Attempts that failed before the first byte", "rank", "kind"
         )
-        self.latency = Histogram(
+        self.ejections = counter(
+            "ftproxy_rank_ejections",
+            "Ranks taken out of rotation while reporting healthy, by cause (first_byte, stalled)",
+            "rank",
+            "cause",
+        )
+        self.latency = histogram(
             "ftproxy_upstream_latency_seconds",
             "Upstream request duration, to the last byte",
-            ["rank"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
+            "rank",
         )
-        self.ttfb = Histogram(
-            "ftproxy_upstream_ttfb_seconds",
-            "Upstream time to first byte",
-            ["rank"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttfb = histogram(
+            "ftproxy_upstream_ttfb_seconds", "Upstream time to first byte", _LATENCY_BUCKETS, "rank"
         )
         self.queued = Gauge(
             "ftproxy_queued_requests",
@@ -154,14 +150,13 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.no_rank = Counter(
-            "ftproxy_no_healthy_rank", "Requests answered 503: no healthy rank in time", registry=r
+        self.no_rank = counter(
+            "ftproxy_no_healthy_rank", "Requests answered 503: no healthy rank in time"
         )
-        self.push_delay = Histogram(
+        self.push_delay = histogram(
             "ftproxy_push_delay_seconds",
             "Status change published -> in the rank table",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
-            registry=r,
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
         )
         self.streams_held = Gauge(
             "ftproxy_streams_held",
@@ -169,98 +164,87 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.hold_seconds = Histogram(
+        self.hold_seconds = histogram(
             "ftproxy_hold_seconds",
             "How long streams were held",
-            registry=r,
-            buckets=(0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
+            (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
         )
-        self.resumes = Counter(
+        self.resumes = counter(
             "ftproxy_stream_resumes",
             "Held streams that went on, by mode (engine|continuation)",
-            ["mode"],
-            registry=r,
+            "mode",
         )
-        self.splices = Counter(
+        self.splices = counter(
             "ftproxy_splices",
             "Requests sent after an abort, by kind: continuation (prompt "
             "plus generated ids) or restart (nothing generated yet)",
-            ["kind"],
-            registry=r,
+            "kind",
         )
-        self.continuation_failures = Counter(
-            "ftproxy_continuation_failures", "Continuation requests a rank refused", registry=r
+        self.continuation_failures = counter(
+            "ftproxy_continuation_failures", "Continuation requests a rank refused"
         )
-        self.recovery_rounds = Counter(
+        self.recovery_rounds = counter(
             "ftproxy_recovery_rounds",
             "Recovery rounds by group, outcome and trigger",
-            ["group", "outcome", "trigger"],
-            registry=r,
+            "group",
+            "outcome",
+            "trigger",
         )
-        self.auto_recovery = Counter(
+        self.auto_recovery = counter(
             "ftproxy_auto_recovery_decisions",
             "Automatic recovery decisions by group",
-            ["group", "decision"],
-            registry=r,
+            "group",
+            "decision",
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = histogram(
             "ftproxy_queue_wait_seconds",
             "Time requests waited for a healthy rank (those that had to)",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=r,
+            (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
-        self.continuations = Histogram(
+        self.continuations = histogram(
             "ftproxy_continuations_per_stream",
             "Continuations each held-open stream needed",
-            buckets=(0, 1, 2, 3, 5, 10),
-            registry=r,
+            (0, 1, 2, 3, 5, 10),
         )
-        self.upstream_requests = Histogram(
+        self.upstream_requests = histogram(
             "ftproxy_upstream_requests_per_request",
             "Upstream requests one client request caused: first try, failovers, resends, "
             "continuations (bounded by limits.upstream_retries and hold.max_continuations)",
-            buckets=(0, 1, 2, 3, 5, 9, 17, 33),
-            registry=r,
+            (0, 1, 2, 3, 5, 9, 17, 33),
         )
-        self.route_decisions = Counter(
+        self.route_decisions = counter(
             "ftproxy_route_decisions",
             "Ranks picked for requests, by policy and reason (round_robin; cache_aware: "
             "prefix, session, continuation, no_match, balance)",
-            ["policy", "reason"],
-            registry=r,
+            "policy",
+            "reason",
         )
-        self.prefix_matched_blocks = Counter(
+        self.prefix_matched_blocks = counter(
             "ftproxy_prefix_matched_blocks",
             "Prompt blocks the cache-aware policy expected cached on the rank it picked",
-            ["rank"],
-            registry=r,
+            "rank",
         )
-        self.prefix_blocks = Counter(
+        self.prefix_blocks = counter(
             "ftproxy_prefix_blocks",
             "Prompt blocks of the requests the cache-aware policy sent to the rank",
-            ["rank"],
-            registry=r,
+            "rank",
         )
-        self.refusals = Counter(
+        self.refusals = counter(
             "ftproxy_refusals",
             "Requests the proxy answered with an error itself, by reason",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.stream_errors = Counter(
+        self.stream_errors = counter(
             "ftproxy_stream_errors",
             "Streams the proxy ended with an error event of its own, "
             "by reason (hold_capacity, budget_exceeded, hold_timeout, upstream_incomplete, ...)",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.client_disconnects = Counter(
-            "ftproxy_client_disconnects", "Clients that left before their answer ended", registry=r
+        self.client_disconnects = counter(
+            "ftproxy_client_disconnects", "Clients that left before their answer ended"
         )
-        self.internal_errors = Counter(
-            "ftproxy_internal_errors",
-            "Requests answered 500 because of a bug in the proxy",
-            registry=r,
+        self.internal_errors = counter(
+            "ftproxy_internal_errors", "Requests answered 500 because of a bug in the proxy"
         )
         self._table_collector = _RankStatusCollector(table, in_flight=not self.multiprocess)
         r.register(self._table_collector)

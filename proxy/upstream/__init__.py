@@ -23,21 +23,20 @@ from proxy.core.settings import Timeouts
 from proxy.upstream.bounded import Answer, Bound, fetch
 from proxy.upstream.client import RankClient
 
-# RFC 9110 hop-by-hop headers, plus those aiohttp recomputes itself.
+# RFC 9110 hop-by-hop headers, plus those the rank client writes itself.
 _HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
 )
 
 
@@ -49,12 +48,9 @@ _ENCODINGS = frozenset({"content-encoding", "accept-encoding"})
 def make_rank_client(
     t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True
 ) -> RankClient:
-    """The relay's client for client requests (and their continuations):
-    ``per_rank`` connections per rank at most, idle ones closed after
-    ``upstream_idle_s``; a request waits for a free one as long as for a
-    healthy rank (``queue_s``). ``tls``: for https:// ranks
-    (proxy.core.tls.UpstreamTLS.context: a context, True for the system's, False
-    to encrypt without verifying). Must be called with the loop running."""
+    """A client with the proxy's timeouts: a request waits for a free
+    connection as long as for a healthy rank (``queue_s``); ``tls`` as
+    proxy.core.tls.UpstreamTLS.context gives it. Must be called with the loop running."""
     return RankClient(t.connect_s, t.read_s, t.upstream_idle_s, per_rank, tls, t.queue_s)
 
 
@@ -98,7 +94,6 @@ def request_headers(
         lk = k.lower()
         if lk == "connection":
             named.append(v)
-        # The body goes on decoded (proxy.ingress.inbound), so its encoding header does not.
         if lk in _HOP_BY_HOP or lk in _ENCODINGS or (strip_auth and lk == "authorization"):
             continue
         out.add(k, v)

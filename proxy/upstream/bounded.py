@@ -34,7 +34,7 @@ from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 from prometheus_client import Counter
 from yarl import URL
 
-from proxy.core.bodies import MAX_DEPTH
+from proxy.core.bodies import MAX_DEPTH, nests_deeper
 from proxy.core.errors import (
     BadJSON,
     BodyTooLarge,
@@ -70,23 +70,9 @@ def parse_json(raw: bytes) -> Any:
         raise BadJSON("JSON nested too deeply") from None
     except ValueError as e:  # not JSON, or not UTF-8
         raise BadJSON(f"not JSON: {e}") from e
-    if _nests_deeper(parsed, MAX_DEPTH):
+    if nests_deeper(parsed, MAX_DEPTH):
         raise BadJSON(f"JSON nested deeper than {MAX_DEPTH} levels")
     return parsed
-
-
-def _nests_deeper(root: Any, limit: int) -> bool:
-    """Whether ``root`` holds containers more than ``limit`` levels deep.
-    Level by level, without recursion, at about the parser's own cost."""
-    level = [root] if isinstance(root, (dict, list)) else []
-    for _ in range(limit):
-        inside: list[Any] = []
-        for node in level:
-            inside.extend(node.values() if isinstance(node, dict) else node)
-        level = [v for v in inside if isinstance(v, (dict, list))]
-        if not level:
-            return False
-    return True
 
 
 @dataclass

@@ -277,7 +277,7 @@ class _Conn(asyncio.Protocol):
 class RankResponse:
     """An answer from a rank: status and headers first, then the body, read
     whole (:meth:`read`) or as it arrives (:meth:`chunks`), then
-    :meth:`close` it (:meth:`release` is the same)."""
+    :meth:`close` it (or :meth:`release`: the same)."""
 
     def __init__(self, conn: _Conn) -> None:
         self._conn: _Conn | None = conn
@@ -450,9 +450,6 @@ class RankResponse:
         self.close()
         raise BodyTooLarge(f"the rank's answer is over {limit} bytes")
 
-    async def text(self) -> str:
-        return (await self.read()).decode("utf-8", "replace")
-
     async def read_at_most(self, limit: int) -> bytes:
         """The body's first ``limit`` bytes (or all of a shorter one)."""
         parts: list[bytes] = []
@@ -464,14 +461,15 @@ class RankResponse:
                 break
         return b"".join(parts)[:limit]
 
-    def release(self) -> None:
-        """Done with it: a complete keep-alive answer returns its connection to the pool."""
-        self.close()
+    @property
+    def closed(self) -> bool:
+        """Closed or released: nothing more is read from it."""
+        return self._conn is None
 
     def close(self) -> None:
         """Done with it. An answer not complete closes its connection (the
         rank sees the disconnect and aborts the request); a complete one
-        returns it to the pool, as :meth:`release`."""
+        returns it to the pool."""
         conn, self._conn = self._conn, None
         if conn is not None:
             if self._paused:  # a full buffer left unread: pooled, the socket must read again
@@ -480,6 +478,8 @@ class RankResponse:
             conn.done(self.complete and self.keep_alive and self._exc is None)
         if not self.complete:  # a reader still waiting on it ends
             self._fail(RankConnectionError("the answer was closed before its end"))
+
+    release = close  # the relay's word for a response it read to the end
 
 
 class RankClient:
@@ -630,10 +630,8 @@ class RankClient:
 
 
 def _value(raw: bytes) -> str:
-    """A header value as text: UTF-8, a byte that is not read as U+FFFD.
-    Kept as a surrogate, the fast lane wrote the byte back raw and aiohttp's
-    writer left it out: one rule for both listeners' paths, and never bytes
-    that are not UTF-8 on to the client. (Names are tokens, ASCII: llhttp
+    """A header value as text: a byte that is not UTF-8 is read as U+FFFD,
+    never passed on raw to the client. (Names are tokens, ASCII: llhttp
     refuses anything else, as it refuses control bytes in values.)"""
     return raw.decode("utf-8", "replace")
 

@@ -117,7 +117,4 @@ class Coordination:
         return None
 
 
-Memory = Coordination
-
-
 COORD = web.AppKey("coordination", Coordination)

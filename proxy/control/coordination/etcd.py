@@ -57,6 +57,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, fields
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -390,12 +391,7 @@ class Etcd(Coordination):
             revision = stored.revision if stored is not None else 0
             if record is not None and record["state"] != RoundState.DONE:
                 if not _spec(record).same_work(spec):
-                    raise RoundInProgress(
-                        f"round {record['round_id']} ({record['instruction']}) is in progress "
-                        f"for group {spec.group}; wait for it to end, then ask again",
-                        record["round_id"],
-                        record["instruction"],
-                    )
+                    raise RoundInProgress(spec.group, record["round_id"], record["instruction"])
                 return await self._await_done(key, record["round_id"])
             round_id = uuid.uuid4().hex
             fresh = {
@@ -600,28 +596,11 @@ def _round(value: Any) -> dict[str, Any] | None:
 
 
 def _record(spec: RoundSpec, round_id: str, trigger: str) -> dict[str, Any]:
-    return {
-        "group": spec.group,
-        "round_id": round_id,
-        "instruction": spec.instruction,
-        "params": spec.params,
-        "targets": spec.targets,
-        "trigger": trigger,
-        "wait_unhealthy_s": spec.wait_unhealthy_s,
-        "recover_s": spec.recover_s,
-    }
+    return {**asdict(spec), "round_id": round_id, "trigger": trigger}
 
 
 def _spec(record: dict[str, Any]) -> RoundSpec:
-    r = record
-    return RoundSpec(
-        r["group"],
-        r["instruction"],
-        r["params"],
-        r["targets"],
-        r["wait_unhealthy_s"],
-        r["recover_s"],
-    )
+    return RoundSpec(**{f.name: record[f.name] for f in fields(RoundSpec)})
 
 
 def _report(data: dict[str, Any]) -> RoundReport:

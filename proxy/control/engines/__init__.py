@@ -102,10 +102,18 @@ class Engine:
 HEALTH_ONLY = Engine("none", None)
 
 
-def engines() -> dict[str, Engine]:
-    from proxy.control.engines import sglang, vllm_032, vllm_v1
+_TABLE: dict[str, Engine] = {}
 
-    return {e.name: e for e in (vllm_032.ENGINE, vllm_v1.ENGINE, sglang.ENGINE, HEALTH_ONLY)}
+
+def engines() -> dict[str, Engine]:
+    """Every engine API by name (built once: the relay asks per answer)."""
+    if not _TABLE:
+        from proxy.control.engines import sglang, vllm_032, vllm_v1
+
+        _TABLE.update(
+            (e.name, e) for e in (vllm_032.ENGINE, vllm_v1.ENGINE, sglang.ENGINE, HEALTH_ONLY)
+        )
+    return _TABLE
 
 
 def by_name(name: str) -> Engine:

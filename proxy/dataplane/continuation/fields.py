@@ -150,6 +150,16 @@ def _r(
     return Field(fate, why, code, refused, when, only)
 
 
+# Fields several rows share.
+_RENDERED = _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY)
+_MULTIMODAL = _r(
+    "multimodal",
+    "given",
+    _given,
+    "multimodal inputs cannot be replayed as token ids",
+    only=CHAT_ONLY,
+)
+
 FIELDS: dict[str, Field] = {
     # -- the prompt ----------------------------------------------------------
     "model": _f(CARRY, "the same model"),
@@ -180,26 +190,14 @@ FIELDS: dict[str, Field] = {
     "suffix": _r("suffix", "given", _given, "changes what the prompt means", only=COMPLETIONS),
     "echo": _r("echo", "true", _truthy, "the prompt would be echoed again"),
     "add_special_tokens": _f(ADJUST, "false: the prompt ids already have them"),
-    "add_generation_prompt": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
-    "continue_final_message": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
-    "chat_template": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
-    "chat_template_kwargs": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
-    "documents": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
-    "reasoning_effort": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
-    "mm_processor_kwargs": _r(
-        "multimodal",
-        "given",
-        _given,
-        "multimodal inputs cannot be replayed as token ids",
-        only=CHAT_ONLY,
-    ),
-    "media_io_kwargs": _r(
-        "multimodal",
-        "given",
-        _given,
-        "multimodal inputs cannot be replayed as token ids",
-        only=CHAT_ONLY,
-    ),
+    "add_generation_prompt": _RENDERED,
+    "continue_final_message": _RENDERED,
+    "chat_template": _RENDERED,
+    "chat_template_kwargs": _RENDERED,
+    "documents": _RENDERED,
+    "reasoning_effort": _RENDERED,
+    "mm_processor_kwargs": _MULTIMODAL,
+    "media_io_kwargs": _MULTIMODAL,
     "mm_payload": _f(DROP, "multimodal only (refused above)"),
     "return_mm_kwargs": _f(DROP, "multimodal only (refused above)"),
     "truncate_prompt_tokens": _f(
@@ -330,7 +328,7 @@ FIELDS: dict[str, Field] = {
         DROP,
         CHAT_ONLY,
     ),
-    "tool_choice": _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY),
+    "tool_choice": _RENDERED,
     "parallel_tool_calls": _f(DROP, "tool calling only (refused)", CHAT_ONLY),
     # -- bookkeeping ---------------------------------------------------------
     "user": _f(CARRY, "the same user"),

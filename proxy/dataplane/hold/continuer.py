@@ -148,7 +148,6 @@ class Continuer:
             body=raw,
             sent=0,
             max_sent=self.hold.budget.sends_left(),
-            model=self.out.model,
             route=self.sender.route_key(body, self.out.headers),
             prefer=self.flow.rank.name if self.flow.rank is not None else None,
         )

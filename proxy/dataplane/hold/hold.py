@@ -28,6 +28,9 @@ from proxy.upstream.client import RankResponse
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from proxy.control.liveness import Ticket
+    from proxy.dataplane.relay import Attempt
+
 log = logging.getLogger("ftproxy.hold")
 
 
@@ -83,6 +86,22 @@ class Flow:
     # Writes to the client under way: while any waits on the client, the
     # rank is not read (see Hold._check_stall).
     writing: int = 0
+    ticket: Ticket | None = None  # the upstream's progress (proxy.control.liveness)
+
+    def attach(self, attempt: Attempt) -> None:
+        """Read ``attempt`` from now on. The rank's liveness judges its
+        silence as the watchdog does: not while the client is waited on."""
+        self.rank, self.upstream, self.ticket = attempt.rank, attempt.response, attempt.ticket
+        attempt.ticket.quiet_since = self.silent_since
+
+    def heard(self) -> None:
+        """An event from the upstream."""
+        self.last_event = now = time.monotonic()
+        if self.ticket is not None:
+            self.ticket.heard(now)
+
+    def silent_since(self) -> float | None:
+        return None if self.writing else self.last_event
 
 
 class Hold:

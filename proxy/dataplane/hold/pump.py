@@ -61,7 +61,7 @@ class Pump:
 
     async def pump(self, attempt: Attempt, handle: Handle) -> PumpEnd:
         """Relay one upstream's events; say how it ended."""
-        self.flow.rank, self.flow.upstream = attempt.rank, attempt.response
+        self.flow.attach(attempt)
         attempt.count()  # a continuation loads the rank it runs on
         parser = SSEParser()
         try:
@@ -139,7 +139,7 @@ class Pump:
         except EventTooLarge as e:  # memory stays bounded: the rank is not sending SSE
             raise StreamFailed(f"the rank sent {e}", "upstream_event_too_large") from e
         if events:  # bytes that never make an event (a drip) are a stall, not progress
-            self.flow.last_event = time.monotonic()
+            self.flow.heard()
         for data in events:
             outcome = self._on_event(data, handle, out)
             if outcome is not None:

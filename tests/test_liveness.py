@@ -1,0 +1,357 @@
+"""Liveness (proxy.control.liveness) and ``vllm:engine_healthy`` as a status
+source (proxy.control.healthmetric), on the in-process fakes.
+
+The gauge's shape is vLLM PR #55915's collector, ``_EngineHealthCollector``
+in the API server's metrics router: ``GaugeMetricFamily("vllm:engine_healthy",
+"Whether the engine reports healthy under fault tolerance.",
+labels=["engine"])`` with ``metric.add_metric([str(rank)], int(healthy))``
+for each engine of ``client.get_engine_health()``, only with
+``enable_fault_tolerance``; its docs: "The value is ``1`` when the cached FT
+state is healthy and the client has not failed, and ``0`` when the engine is
+unhealthy, dead, or the client has failed." prometheus_client renders it as
+:func:`gauge` writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from rich.console import Console
+
+from proxy.admin_cli import rank_table
+from proxy.control.healthmetric import Junk, samples
+from proxy.control.liveness import Liveness
+from proxy.control.ranks import RankStatus, RankTable, Source
+from proxy.core.settings import Settings
+from proxy.ingress.state import TABLE
+from proxy.telemetry.metrics import Metrics
+from tests.conftest import FAST_POLL_S, until
+from tests.fakes import FakeRank
+from tests.test_engines import AUTH, settings
+
+SILENCE_S = 0.3
+LIVENESS = {
+    "silence_s": SILENCE_S,
+    "silence_per_mib_s": 0.0,
+    "probe_interval_s": 0.2,
+    "probe_timeout_s": 0.5,
+}
+
+
+def gauge(*values: int) -> bytes:
+    lines = [
+        "# HELP vllm:engine_healthy Whether the engine reports healthy under fault tolerance.",
+        "# TYPE vllm:engine_healthy gauge",
+        *(f'vllm:engine_healthy{{engine="{i}"}} {v}.0' for i, v in enumerate(values)),
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 0.0',
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+async def complete(
+    http: aiohttp.ClientSession, url: str, prompt: str = "hi", tokens: int = 3
+) -> tuple[int, str]:
+    """A streamed completion, read to its end: its status and its text."""
+    body = {"prompt": prompt, "max_tokens": tokens, "stream": True}
+    async with http.post(url + "/v1/completions", json=body) as r:
+        return r.status, await r.text()
+
+
+async def traffic_until(
+    http: aiohttp.ClientSession, url: str, done: Any, within_s: float, prompt: str = "hi"
+) -> list[asyncio.Task[tuple[int, str]]]:
+    """Send a stream every 50 ms until ``done()`` or ``within_s``; the
+    requests sent (some may hang on a stuck rank: the caller cancels them)."""
+    sent: list[asyncio.Task[tuple[int, str]]] = []
+    deadline = time.monotonic() + within_s
+    while not done() and time.monotonic() < deadline:
+        sent.append(asyncio.create_task(complete(http, url, prompt)))
+        await asyncio.sleep(0.05)
+    return sent
+
+
+async def cancel(tasks: list[asyncio.Task[Any]]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def ejections(http: aiohttp.ClientSession, url: str) -> list[str]:
+    """Every ejection so far, as /metrics counts them (none: no such line)."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    return [line for line in text.splitlines() if line.startswith("ftproxy_rank_ejections_total")]
+
+
+def stuck(rank: FakeRank, how: str) -> None:
+    """Its engine stops: new requests are accepted and never answered; with
+    ``stall``, the streams running on it stop too."""
+    rank.mode = "hang"
+    if how == "stall":
+        rank.token_delay_s = 60.0
+
+
+def unstuck(rank: FakeRank) -> None:
+    rank.mode, rank.token_delay_s = "ok", 0.0
+
+
+# -- passive ejection ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("how", "cause"), [("hang", "first_byte"), ("stall", "stalled")])
+async def test_a_rank_stuck_while_healthy_is_ejected_within_its_bound_and_probed_back(
+    fakes, proxy, http, how, cause
+) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(settings([a, b], separate=True, liveness=LIVENESS))
+    table: RankTable = p.app[TABLE]
+    running: list[asyncio.Task[tuple[int, str]]] = []
+    if how == "stall":  # a stream running on each rank (round-robin) when a stops
+        a.token_delay_s = 0.02
+        running = [asyncio.create_task(complete(http, p.url, tokens=1000)) for _ in range(2)]
+        assert await until(lambda: a.streamed > 3, 2.0)
+    stuck(a, how)
+    started = time.monotonic()
+    out = await traffic_until(http, p.url, lambda: table.ranks["a"].ejected is not None, 3.0)
+    sent = running + out
+    took = time.monotonic() - started
+    try:
+        rank = table.ranks["a"]
+        assert rank.ejected is not None, "a stuck rank stayed in rotation"
+        # Not before its bound (no request on it was older), and soon after it.
+        assert SILENCE_S <= took < SILENCE_S + 1.0, took
+        assert rank.status == RankStatus.HEALTHY and not rank.routable  # it says healthy
+        assert "while rank b answers" in rank.ejected, rank.ejected
+        # /admin/ranks, ft-proxy status and /metrics say so.
+        async with http.get(p.url + "/admin/ranks", headers=AUTH) as r:
+            entry = next(e for e in (await r.json())["ranks"] if e["name"] == "a")
+        assert entry["ejected"] == rank.ejected and entry["unroutable_reason"] == rank.ejected
+        out = io.StringIO()
+        Console(file=out, width=400).print(rank_table([entry]))
+        assert "ejected:" in out.getvalue(), out.getvalue()
+        counted = await ejections(http, p.url)
+        assert counted == [f'ftproxy_rank_ejections_total{{cause="{cause}",rank="a"}} 1.0'], counted
+        # New requests go to the other rank, all of them answered.
+        before = len(a.received)
+        answers = await asyncio.gather(*(complete(http, p.url) for _ in range(6)))
+        assert [code for code, _ in answers] == [200] * 6
+        assert len(a.received) == before
+        # Answering again (its probe: a 1-token completion), it is back.
+        unstuck(a)
+        assert await table.wait_for(lambda: table.ranks["a"].routable, 2.0)
+        probe = a.received[-1]
+        assert probe["max_tokens"] == 1 and not probe.get("stream"), probe
+        before = len(a.received)
+        answers = await asyncio.gather(*(complete(http, p.url) for _ in range(4)))
+        assert [code for code, _ in answers] == [200] * 4
+        assert len(a.received) > before
+    finally:
+        await cancel(sent)
+
+
+async def test_an_ejected_rank_whose_stream_goes_on_is_back_at_once(fakes, proxy, http) -> None:
+    # Probes off in effect: progress on a request in flight is enough.
+    a, b = await fakes(name="a"), await fakes(name="b")
+    live = {**LIVENESS, "probe_interval_s": 60.0}
+    p = await proxy(settings([a, b], separate=True, liveness=live))
+    table: RankTable = p.app[TABLE]
+    a.gate = asyncio.Event()  # its requests wait, unanswered, until let go
+    sent = await traffic_until(http, p.url, lambda: table.ranks["a"].ejected is not None, 3.0)
+    try:
+        assert table.ranks["a"].ejected is not None
+        a.gate.set()
+        assert await table.wait_for(lambda: table.ranks["a"].routable, 1.0)
+        results = await asyncio.wait_for(asyncio.gather(*sent), 5.0)
+        assert {code for code, _ in results} == {200}  # the held-up ones were answered too
+    finally:
+        await cancel(sent)
+
+
+@pytest.mark.parametrize(("per_mib_s", "ejected"), [(10.0, False), (0.0, True)])
+async def test_a_slow_long_prefill_is_not_ejected_within_its_scaled_bound(
+    fakes, proxy, http, per_mib_s, ejected
+) -> None:
+    # a takes 0.8 s to its first token (past silence_s) on a 100 KiB prompt,
+    # while b answers at once. The bound grows with the prompt waiting on a
+    # (0.3 s + 10 s/MiB * 0.1 MiB per request): not ejected. Without the
+    # scaling (0 s/MiB) the same prefill is, which shows what keeps it in.
+    a, b = await fakes(name="a", first_token_delay_s=0.8), await fakes(name="b")
+    live = {**LIVENESS, "silence_per_mib_s": per_mib_s}
+    p = await proxy(settings([a, b], separate=True, liveness=live))
+    prompt = "x" * (100 * 1024)
+    sent = await traffic_until(http, p.url, lambda: False, 1.5, prompt)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*sent), 10.0)
+        assert {code for code, _ in results} == {200}
+        assert bool(await ejections(http, p.url)) == ejected
+    finally:
+        await cancel(sent)
+
+
+async def test_peers_equally_slow_are_not_ejected(fakes, proxy, http) -> None:
+    # Every first byte comes after silence_s, on both ranks, interleaved:
+    # nobody answers promptly, so nobody is taken out.
+    a = await fakes(name="a", first_token_delay_s=0.8)
+    b = await fakes(name="b", first_token_delay_s=0.8)
+    p = await proxy(settings([a, b], separate=True, liveness=LIVENESS))
+    table: RankTable = p.app[TABLE]
+    sent = await traffic_until(http, p.url, lambda: False, 2.0)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*sent), 10.0)
+        assert {code for code, _ in results} == {200}
+        assert await ejections(http, p.url) == [] and all(r.routable for r in table)
+    finally:
+        await cancel(sent)
+
+
+async def test_a_healthy_busy_rank_stays_in_rotation(fakes, proxy, http) -> None:
+    # Steady streams, slower per token than silence_s is long in all: each
+    # event is progress, so the rank is never silent.
+    a = await fakes(name="a", token_delay_s=0.1)
+    b = await fakes(name="b")
+    p = await proxy(settings([a, b], separate=True, liveness=LIVENESS))
+    table: RankTable = p.app[TABLE]
+    body = {"prompt": "hi", "max_tokens": 12, "stream": True}  # 1.2 s each on a
+    async with http.post(p.url + "/v1/completions", json=body) as r:
+        others = await traffic_until(http, p.url, lambda: False, 1.0)
+        text = await r.text()
+    await asyncio.gather(*others)
+    assert r.status == 200 and text.count("data:") >= 12
+    assert await ejections(http, p.url) == [] and all(rank.ejected is None for rank in table)
+
+
+def two_ranks(**liveness: float) -> tuple[RankTable, Liveness]:
+    """Ranks a and b in groups of their own, healthy, and their liveness."""
+    groups = [
+        {"name": f"g-{n}", "ranks": [{"name": n, "url": f"http://127.0.0.1:{port}"}]}
+        for port, n in enumerate("ab", start=1)
+    ]
+    s = Settings(groups=groups, liveness={**LIVENESS, **liveness})
+    table = RankTable(s.groups)
+    for r in table:
+        table.observe(r.name, None, Source.POLL, reachable=True, status=RankStatus.HEALTHY)
+    return table, Liveness(table, s.liveness, Metrics(table))
+
+
+def test_a_stream_waiting_on_a_slow_client_is_no_silence_of_its_rank() -> None:
+    # The proxy does not read the rank while it waits on the client
+    # (backpressure): that time is not the rank's, as for hold.stall_s.
+    table, live = two_ranks()
+    t = live.sent("a", 100, judged=True)
+    t.heard()  # its first event; then the client stops reading
+    waiting: list[float | None] = [None]
+    t.quiet_since = lambda: waiting[0]
+    live.sent("b", 100, judged=True).heard()  # b answers promptly
+    now = time.monotonic()
+    live.prompt["b"] = now + 5.0
+    live.check(now + 5.0)
+    assert table.ranks["a"].routable
+    waiting[0] = now + 4.9  # the client took it; the rank is read again
+    live.check(now + 5.0)
+    assert table.ranks["a"].routable  # silent 0.1 s: within silence_s
+    live.check(now + 5.3)
+    assert table.ranks["a"].ejected is not None
+
+
+def test_the_bound_sums_the_prefill_waiting_on_the_rank() -> None:
+    table, live = two_ranks(silence_per_mib_s=1.0)
+    for _ in range(2):  # half a MiB each, neither answered: 0.3 s + 1 s
+        live.sent("a", 512 * 1024, judged=True)
+    now = time.monotonic()
+    live.prompt["b"] = now + 1.25
+    live.check(now + 1.25)
+    assert table.ranks["a"].routable
+    live.prompt["b"] = now + 1.35
+    live.check(now + 1.35)
+    assert "bound 1.3s" in (table.ranks["a"].ejected or ""), table.ranks["a"].ejected
+    # A whole answer on it is progress: it is back, and its two streams
+    # (in flight when it came back) are not judged again.
+    live.sent("a", 10, judged=False).answered(None)  # a failed try: no progress
+    assert table.ranks["a"].ejected is not None
+    live.sent("a", 10, judged=False).heard()  # a whole answer came
+    assert table.ranks["a"].routable
+    live.check(now + 100.0)
+    assert table.ranks["a"].routable
+
+
+# -- vllm:engine_healthy ---------------------------------------------------
+
+
+def test_the_gauge_is_parsed_as_prometheus_client_renders_it() -> None:
+    assert samples(gauge(1, 0)) == {"0": 1, "1": 0}
+    assert samples(b"vllm:engine_healthy 1\n") == {"": 1}  # no label: still one engine
+    # Other metrics with the same head are not it; a timestamp is allowed.
+    assert samples(b'vllm:engine_healthy_x 0\nvllm:engine_healthy{engine="3"} 1 1700\n') == {"3": 1}
+    for junk in (
+        b"",
+        b"<html>not metrics</html>",
+        b'vllm:engine_healthy{engine="0"} 0.5\n',
+        b'vllm:engine_healthy{engine="0"} NaN\n',
+        b'vllm:engine_healthy{engine="0"} yes\n',
+        b'vllm:engine_healthy{engine="0"\n',
+    ):
+        with pytest.raises(Junk):
+            samples(junk)
+
+
+async def test_engine_healthy_takes_a_rank_out_and_puts_it_back(fakes, proxy, http) -> None:
+    # A rank without an FT status route (engine: none), whose /health stays
+    # 200 while its engine is faulted: the gauge is its status.
+    a = await fakes(name="a", has_ft=False, metrics=gauge(1))
+    s = settings([a], engine="none")
+    s.groups[0].engine_healthy = True
+    s.timeouts.engine_healthy_interval_s = FAST_POLL_S
+    p = await proxy(s)
+    table: RankTable = p.app[TABLE]
+    assert table.ranks["a"].status == RankStatus.HEALTHY
+    a.metrics = gauge(0)
+    assert await table.wait_for(lambda: not table.ranks["a"].routable, 1.0)
+    await asyncio.sleep(FAST_POLL_S * 6)  # polls of /health (200) do not bring it back
+    rank = table.ranks["a"]
+    assert rank.status == RankStatus.UNHEALTHY and not rank.routable
+    assert rank.detail["engine_healthy"] == {"0": 0}
+    a.metrics = gauge(1)
+    assert await table.wait_for(lambda: table.ranks["a"].routable, 1.0)
+    code, _ = await complete(http, p.url)
+    assert code == 200
+
+
+async def test_engine_healthy_merges_with_the_ft_status_newest_wins(fakes, proxy) -> None:
+    # An FT rank: both say the same in steady state; the gauge's 0 takes the
+    # rank out as soon as it is read, before the poll says so (the poll lags).
+    a = await fakes(name="a", shape="vllm-v1", metrics=gauge(1), reports_fault=False)
+    s = settings([a], engine="vllm-v1")
+    s.groups[0].engine_healthy = True
+    s.timeouts.engine_healthy_interval_s = FAST_POLL_S
+    p = await proxy(s)
+    table: RankTable = p.app[TABLE]
+    a.metrics = gauge(1, 0)  # one of its engines unhealthy
+    assert await table.wait_for(lambda: table.ranks["a"].status == RankStatus.UNHEALTHY, 1.0)
+    assert table.ranks["a"].source == "metrics"
+
+
+@pytest.mark.parametrize(
+    "junk", [b"\x00\xff garbage", b'vllm:engine_healthy{engine="0"} 7\n', b"#" * (2 << 20)]
+)
+async def test_a_junk_metrics_answer_changes_nothing(fakes, proxy, junk) -> None:
+    a = await fakes(name="a", has_ft=False, metrics=gauge(1))
+    s = settings([a], engine="none")
+    s.groups[0].engine_healthy = True
+    s.timeouts.engine_healthy_interval_s = FAST_POLL_S
+    p = await proxy(s)
+    table: RankTable = p.app[TABLE]
+    before = dict(table.ranks["a"].detail)
+    assert table.ranks["a"].routable and before["engine_healthy"] == {"0": 1}
+    a.metrics = junk  # the last one is over limits.max_status_bytes (1 MiB)
+    scraped = len([t for _, t, _ in a.log if t == "/metrics"])
+    await asyncio.sleep(FAST_POLL_S * 8)
+    assert len([t for _, t, _ in a.log if t == "/metrics"]) > scraped + 2  # it was read, again
+    rank = table.ranks["a"]
+    assert rank.routable and rank.status == RankStatus.HEALTHY and rank.detail == before
