@@ -14,13 +14,16 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
-from proxy.core.settings import Settings
-from proxy.ingress.state import TABLE
+from proxy.core.settings import Settings, load_settings
+from proxy.ingress.state import RELAY, TABLE
 from proxy.server import Running
+from proxy.server import start as start_from
 from tests.conftest import replicas, settings_for, until
 from tests.fakes import FakeRank, PrefixCache, chat_prompt
 
@@ -153,3 +156,68 @@ async def test_a_continuation_goes_back_to_its_rank_once_routable(
     assert (len(a.received), len(b.received)) == (2, 0)
     text = await (await http.get(p.url + "/metrics")).text()
     assert 'ftproxy_route_decisions_total{policy="cache_aware",reason="continuation"} 1.0' in text
+
+
+async def test_a_reload_drops_the_index_of_a_removed_or_replaced_rank(
+    fakes: Fakes, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """A removed rank's index would stay for the life of the process (a
+    rename per reload grows it without bound); a rank whose url changed is a
+    new engine with an empty cache, and must not be credited with the old one."""
+    a, b, c, d = [await fakes(name=n) for n in "abcd"]
+    cfg = tmp_path / "proxy.yaml"
+
+    def write(ranks: list[FakeRank], urls: dict[str, str]) -> None:
+        groups = [
+            {"name": f"g-{r.name}", "ranks": [{"name": r.name, "url": urls.get(r.name, r.url)}]}
+            for r in ranks
+        ]
+        settings = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "groups": groups,
+            "admin": {"token": ADMIN_TOKEN},
+            "timeouts": {"poll_interval_s": 0.05},
+            "routing": CACHE_AWARE,
+            "shutdown": {"ready_delay_s": 0, "grace_s": 1},
+        }
+        cfg.write_text(yaml.safe_dump(settings))
+
+    write([a, b, c], {})
+    running = await start_from(load_settings(cfg), cfg)
+    try:
+        table = running.app[TABLE]
+        assert await until(lambda: all(r.routable for r in table), 2.0)
+        for word in ("hello", "other", "third"):  # no match: round-robin, one each
+            body = {"model": "fake-model", "prompt": f"{word} " * 40, "max_tokens": 2}
+            async with http.post(running.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+        assert all(running.app[RELAY].router.sizes().get(n) for n in "abc")
+        write([a, c], {"c": d.url})  # b removed, c now another engine
+        async with http.post(running.url + "/admin/reload", headers=ADMIN) as r:
+            assert r.status == 200, await r.text()
+        async with http.get(running.url + "/admin/ranks", headers=ADMIN) as r:
+            sizes = {e["name"]: e["prefix_index_blocks"] for e in (await r.json())["ranks"]}
+        assert sizes["a"] > 0 and sizes["c"] == 0, sizes
+        assert "b" not in running.app[RELAY].router.sizes()
+    finally:
+        await running.stop()
+
+
+async def test_a_continued_stream_loads_the_rank_it_runs_on(
+    fakes: Fakes, proxy: Proxy, http: aiohttp.ClientSession
+) -> None:
+    """A stream continued on b after a's fault loads b, not a: else the load
+    guard would skip a once it is back and overfill b."""
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=10)
+    b = await fakes(name="b", token_delay_s=0.02)
+    p = await proxy(replicas([a, b], routing=CACHE_AWARE))
+    table = p.app[TABLE]
+    body = {"model": "fake-model", "prompt": "hello " * 40, "max_tokens": 60, "stream": True}
+    async with http.post(p.url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        # Continued on b (b's stream is slow: still running meanwhile).
+        assert await until(lambda: table.ranks["b"].in_flight == 1, 3.0)
+        assert len(b.received) == 1 and table.ranks["a"].in_flight == 0
+        await r.read()
+    assert len(a.received) == 1
+    assert await until(lambda: all(r.in_flight == 0 for r in table), 2.0)

@@ -90,34 +90,53 @@ def chain(seq: str | list[int], block: int, seed: int = 0) -> tuple[int, ...]:
     return tuple(out)
 
 
-def render_messages(messages: list[Any]) -> str:
-    """Chat messages as one text that only grows as the conversation does."""
-    parts = []
+def render_messages(messages: list[Any], limit: int | None = None) -> str:
+    """Chat messages as one text that only grows as the conversation does;
+    with ``limit``, messages past its first ``limit`` characters are left
+    out (only the head is hashed: a huge body costs no more than that)."""
+    parts, size = [], 0
     for m in messages:
-        if not isinstance(m, dict):
-            parts.append(json.dumps(m, sort_keys=True, default=str))
-            continue
-        content = m.get("content")
-        if not isinstance(content, str):  # parts, tool calls: any stable spelling
-            content = json.dumps(content, sort_keys=True, default=str)
-        parts.append(f"{m.get('role')}\x1f{content}\x1e")
+        if limit is not None and size >= limit:
+            break
+        part = _render(m)
+        parts.append(part)
+        size += len(part)
     return "".join(parts)
+
+
+def _render(m: Any) -> str:
+    if not isinstance(m, dict):
+        return json.dumps(m, sort_keys=True, default=str)
+    content = m.get("content")
+    if not isinstance(content, str):  # parts, None: any stable spelling
+        content = json.dumps(content, sort_keys=True, default=str)
+    # Tool calls, names, tool call ids: the engine's template renders them,
+    # so messages that differ only there are different prefixes.
+    rest = {k: v for k, v in m.items() if k not in ("role", "content")}
+    extra = "\x1f" + json.dumps(rest, sort_keys=True, default=str) if rest else ""
+    return f"{m.get('role')}\x1f{content}{extra}\x1e"
 
 
 def route_key(cfg: CacheAware, body: Mapping[str, Any], headers: Mapping[str, str]) -> RouteKey:
     """The key of a completions or chat body (a continuation's included)."""
-    # Different models never share a cached block, even for the same text.
-    seed = hash(str(body.get("model")))
+    # Different models never share a cached block, even for the same text;
+    # nor do requests of different cache_salt (vLLM's prefix-cache isolation).
+    seed = hash((str(body.get("model")), str(body.get("cache_salt"))))
     prompt, messages = body.get("prompt"), body.get("messages")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # one prompt in a batch of one: the engine's one request
+    chars = cfg.block_size * CHARS_PER_TOKEN
     blocks: tuple[int, ...] = ()
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        blocks = chain(prompt, cfg.block_size, seed)
+    if isinstance(prompt, list):
+        # Only the hashed head is looked at: the ids of a huge prompt are not
+        # all walked on the event loop (the body was type-checked already).
+        head = prompt[: MAX_KEY_BLOCKS * cfg.block_size]
+        if all(type(t) is int for t in head):
+            blocks = chain(head, cfg.block_size, seed)
     elif isinstance(prompt, str):
-        blocks = chain(prompt, cfg.block_size * CHARS_PER_TOKEN, seed)
+        blocks = chain(prompt, chars, seed)
     elif isinstance(messages, list):
-        blocks = chain(render_messages(messages), cfg.block_size * CHARS_PER_TOKEN, seed)
+        blocks = chain(render_messages(messages, MAX_KEY_BLOCKS * chars), chars, seed)
     return RouteKey(blocks, _session(cfg.session_key, body, headers))
 
 
@@ -165,6 +184,15 @@ class PrefixRouter:
     def sizes(self) -> dict[str, int]:
         """Blocks each rank's index holds (``/admin/ranks``)."""
         return {name: len(index) for name, index in self._index.items()}
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Ranks gone from the table, or replaced by a rank at another url (a
+        new engine, its cache empty): their index and sessions go with them."""
+        gone = set(names)
+        for name in gone:
+            self._index.pop(name, None)
+        for session in [s for s, rank in self._sessions.items() if rank in gone]:
+            del self._sessions[session]
 
     def pick(
         self,

@@ -213,7 +213,7 @@ class CacheAware(BaseModel):
     # whole blocks are cached, so only whole blocks are matched.
     block_size: int = Field(16, ge=1, le=4096)
     # Blocks remembered per rank (least recently used go first): with the
-    # default, ~1.6M tokens of prefixes a rank, a few MB of memory each.
+    # default, ~1.6M tokens of prefixes a rank, ~14 MB of memory each when full.
     max_blocks_per_rank: int = Field(100_000, ge=1)
     # A rank whose load (in flight plus its picks among the last
     # recent_window) is over its weighted share by more than this fraction

@@ -114,6 +114,7 @@ async def _whole(
         return await reply.whole(up.status, response_headers(up.header_items()), raw)
     # The client has nothing yet: start over from the prompt (the aborted
     # partial answer is dropped, never kept and then generated again).
+    attempt.uncount()  # its rank is done with the aborted answer
     collector = Collector()
     await HeldStream(relay, out, book, refused, collector).run(None)
     status, answer = _assemble(book, collector.events, _json(raw) if raw is not None else None)

@@ -83,6 +83,20 @@ class Attempt:
     response: RankResponse
     started: float
     ticket: Ticket  # its progress, as the rank's liveness sees it
+    # In its rank's in-flight count (the load cache-aware routing weighs):
+    # from the client request's start, or a continuation's, to the end of
+    # its upstream answer. A stream continued elsewhere loads that rank.
+    counted: bool = False
+
+    def count(self) -> None:
+        if not self.counted:
+            self.rank.in_flight += 1
+            self.counted = True
+
+    def uncount(self) -> None:
+        if self.counted:
+            self.rank.in_flight -= 1
+            self.counted = False
 
 
 class Forwarding:
@@ -100,12 +114,12 @@ class Forwarding:
         except BaseException:
             self.relay.metrics.upstream_requests.observe(self.out.sent)
             raise
-        self.attempt.rank.in_flight += 1
+        self.attempt.count()
         return self.attempt
 
     async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
         rank, m = self.attempt.rank, self.relay.metrics
-        rank.in_flight -= 1
+        self.attempt.uncount()  # unless its upstream's end did already
         m.upstream_requests.observe(self.out.sent)
         if kind is None:
             m.child(m.requests, rank.name, str(self.attempt.response.status)).inc()

@@ -229,7 +229,13 @@ def reload_config(app: web.Application) -> dict[str, Any]:
         tls_reloaded = _reload_listener_tls(app, fresh.listen.tls)
     except (ConfigError, ValueError) as e:
         raise BadRequest(f"config not reloaded: {e}") from None
+    before = dict(app[TABLE].ranks)
     diff: dict[str, Any] = app[TABLE].apply(fresh.groups)
+    if (router := app[RELAY].router) is not None:
+        # A rank removed, or made afresh (another url), holds none of what
+        # its name's index says.
+        now = app[TABLE].ranks
+        router.forget(name for name, rank in before.items() if now.get(name) is not rank)
     apply_weights(app[TABLE], app[WEIGHTS])  # shared overrides outlive a reload
     apply_removed(app[TABLE], app[REMOVED])
     if tls_reloaded:

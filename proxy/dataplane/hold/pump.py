@@ -62,6 +62,7 @@ class Pump:
     async def pump(self, attempt: Attempt, handle: Handle) -> PumpEnd:
         """Relay one upstream's events; say how it ended."""
         self.flow.attach(attempt)
+        attempt.count()  # a continuation loads the rank it runs on
         parser = new_parser()
         try:
             if self.sink.direct:
@@ -74,6 +75,7 @@ class Pump:
             log.info("[%s] upstream %s lost: %r", self.request_id, attempt.rank.name, e)
         finally:
             attempt.response.close()
+            attempt.uncount()  # the rank is done with it, whatever comes next
             self.flow.upstream = None
         return PumpEnd.FINISHED if self.book.finish_reason else self.fault("connection lost")
 
