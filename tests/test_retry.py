@@ -4,6 +4,7 @@ attempts on a fake clock (no real sleeping)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -160,3 +161,20 @@ async def test_the_policies_in_use_keep_their_documented_numbers() -> None:
     assert (await _schedule(WATCH_RETRY))[0] == pytest.approx([1.0] * 11)
     waits, _ = await _schedule(REPORT_RETRY)  # 10 tries over about 11 s
     assert len(waits) == 9 and sum(waits) == pytest.approx(11.0)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"base_s": -0.1},
+        {"base_s": float("nan")},
+        {"base_s": 0.1, "cap_s": -1.0},
+        {"base_s": 0.1, "jitter": 1.5},
+        {"base_s": 0.1, "jitter": -0.1},
+        {"base_s": 0.1, "max_attempts": 0},
+        {"base_s": 0.1, "budget_s": -1.0},
+    ],
+)
+def test_a_policy_that_would_misbehave_is_refused_where_it_is_made(args: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(**args)

@@ -42,6 +42,18 @@ class RetryPolicy:
     max_attempts: int | None = None  # None: as many as the time allows
     budget_s: float | None = None  # for all tries, from the first; None: no bound of its own
 
+    def __post_init__(self) -> None:
+        # A negative or NaN wait would make a hot loop, a jitter over 1 a
+        # negative wait: refused where the policy is made, not where it runs.
+        if not (self.base_s >= 0 and self.cap_s >= 0):
+            raise ValueError(f"retry waits must be >= 0 (base_s={self.base_s}, cap_s={self.cap_s})")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"retry jitter must be within [0, 1], not {self.jitter}")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, not {self.max_attempts}")
+        if self.budget_s is not None and not self.budget_s >= 0:
+            raise ValueError(f"budget_s must be >= 0, not {self.budget_s}")
+
     def delay(self, failures: int, uniform: Uniform = random.uniform) -> float:
         """The wait before the next try after ``failures`` failed ones (>= 1)."""
         doublings = min(max(failures - 1, 0), _MAX_DOUBLINGS)
