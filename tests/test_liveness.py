@@ -355,3 +355,27 @@ async def test_a_junk_metrics_answer_changes_nothing(fakes, proxy, junk) -> None
     assert len([t for _, t, _ in a.log if t == "/metrics"]) > scraped + 2  # it was read, again
     rank = table.ranks["a"]
     assert rank.routable and rank.status == RankStatus.HEALTHY and rank.detail == before
+
+
+@pytest.mark.parametrize("word", ["dead", "recovering"])
+async def test_the_gauge_s_zero_keeps_the_polls_fault_word(fakes, proxy, word) -> None:
+    # The gauge is 0 for "unhealthy, dead, or the client has failed": it
+    # cannot tell dead from unhealthy, nor a round in progress. The poll's
+    # word stays; else a dead rank reads "unhealthy" between polls and
+    # automatic recovery sends it a retry (restart needed, never a retry).
+    a = await fakes(name="a", shape="vllm-v1", metrics=gauge(1))
+    s = settings([a], engine="vllm-v1", auto=True)
+    s.groups[0].engine_healthy = True
+    s.timeouts.engine_healthy_interval_s = FAST_POLL_S / 5
+    p = await proxy(s)
+    table: RankTable = p.app[TABLE]
+    a.metrics = gauge(0)
+    a.fault(word)
+    assert await table.wait_for(lambda: table.ranks["a"].status == word, 1.0)
+    seen = set()
+    deadline = time.monotonic() + FAST_POLL_S * 10
+    while time.monotonic() < deadline:
+        seen.add(table.ranks["a"].status)
+        await asyncio.sleep(FAST_POLL_S / 10)
+    assert a.applies == []
+    assert seen == {word}, seen

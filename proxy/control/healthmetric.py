@@ -8,7 +8,9 @@ rank's ``/metrics`` is read every ``timeouts.engine_healthy_interval_s``: the
 rank is healthy when every sample is 1, else unhealthy, and that is merged
 into the rank table as a poll's answer is (the newest observation wins); an
 answer that agrees with the table is not applied again, so the poll's
-detail (fault info, a round's error) stays. A scrape that fails (no answer,
+detail (fault info, a round's error) stays. A 0 agrees with every status
+but healthy and unknown: it cannot tell ``dead`` or ``recovering`` from
+``unhealthy``, and the poll's word decides what recovery may send. A scrape that fails (no answer,
 over its bound, no such gauge, a value other than 0 or 1) changes nothing
 and is logged once until one succeeds: whether the rank answers is the
 polls' to say. For a rank without an FT status route
@@ -110,9 +112,12 @@ class Scraper:
             return
         self._failing.discard(rank.name)
         healthy = all(v == 1 for v in found.values())
-        status = RankStatus.HEALTHY if healthy else RankStatus.UNHEALTHY
-        if status == rank.status:
+        if healthy == (rank.status == RankStatus.HEALTHY) and rank.status != RankStatus.UNKNOWN:
+            # It agrees. A 0 is "unhealthy, dead, or the client has failed":
+            # a poll's word for the fault (dead, recovering) says more, and
+            # folded into "unhealthy" a dead rank would be sent a retry.
             return
+        status = RankStatus.HEALTHY if healthy else RankStatus.UNHEALTHY
         detail = {"source": NAME.decode(), "engine_healthy": found}
         self.table.observe(
             rank.name, sent_at, Source.METRICS, reachable=True, status=status, detail=detail
