@@ -281,6 +281,26 @@ def test_the_bound_sums_the_prefill_waiting_on_the_rank() -> None:
     assert table.ranks["a"].routable
 
 
+def test_a_rank_back_from_a_fault_is_judged_from_its_return() -> None:
+    # A stream held on its rank through a fault (engine-side resume) shows
+    # nothing while the group recovers; after the retry it re-prefills and
+    # streams on. The fault's time is no silence of the rank's: out of
+    # rotation, it was not judged, and back it starts afresh.
+    table, live = two_ranks()
+    now = time.monotonic()
+    live.sent("a", 100, judged=True).heard(now)  # streaming, then the fault
+    table.observe("a", now + 0.1, Source.POLL, reachable=True, status=RankStatus.UNHEALTHY)
+    for tick in (0.2, 2.6, 4.9):  # each tick while the group recovers
+        live.check(now + tick)
+    table.observe("a", now + 5.0, Source.POLL, reachable=True, status=RankStatus.HEALTHY)
+    live.prompt["b"] = now + 5.0  # b answers promptly all along
+    live.check(now + 5.1)
+    assert table.ranks["a"].routable, table.ranks["a"].ejected
+    live.prompt["b"] = now + 5.5
+    live.check(now + 5.5)  # silent past the bound after its return: judged so
+    assert table.ranks["a"].ejected is not None
+
+
 # -- vllm:engine_healthy ---------------------------------------------------
 
 

@@ -18,9 +18,11 @@ request's tokens while it prefills another's is working. And a silent rank is
 ejected only while another rank answers *promptly*: one of its requests had
 its first byte within that request's own bound, within the silent rank's
 bound of now. When every rank is as slow (long prompts everywhere, first
-bytes late on all), none is taken out, however their first bytes interleave. A whole
-(non-streamed) answer shows nothing before its end, so such requests are
-not judged; their answers count as progress.
+bytes late on all), none is taken out, however their first bytes interleave.
+Time out of rotation (its own fault, its group's, a drain) is no silence: a
+rank is judged from its return. A whole (non-streamed) answer shows nothing
+before its end, so such requests are not judged; their answers count as
+progress.
 
 An ejected rank is back at once when one of its requests shows progress, or
 when a probe (a 1-token completion every ``liveness.probe_interval_s``, sent
@@ -161,9 +163,16 @@ class Liveness:
             for name in [n for n in kept if n not in self.table.ranks]:
                 del kept[name]  # gone in a reload
         for rank in list(self.table):
+            if not rank.routable:
+                # Out already, by its own word, its group's or this module's.
+                # Its silence counts from its return: a stream held on it
+                # through its group's fault shows nothing until the retry
+                # and its re-prefill, and that time is the fault's.
+                self._progress[rank.name] = at
+                continue
             tickets = self._live(rank.name)
-            if not rank.routable or not tickets:
-                continue  # out already, by its own word, its group's or this module's
+            if not tickets:
+                continue
             stall = self._stall(rank.name, tickets, at)
             if stall is None:
                 continue
