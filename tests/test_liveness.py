@@ -15,6 +15,7 @@ unhealthy, dead, or the client has failed." prometheus_client renders it as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import time
 from typing import Any
@@ -154,6 +155,30 @@ async def test_a_rank_stuck_while_healthy_is_ejected_within_its_bound_and_probed
         assert len(a.received) > before
     finally:
         await cancel(sent)
+
+
+async def test_a_hung_rank_is_ejected_though_its_clients_give_up_before_the_bound(
+    fakes, proxy, http
+) -> None:
+    # Clients whose timeout is shorter than the bound (a 30 s SDK timeout
+    # against silence_s 60 s): each stream on the hung rank is gone before
+    # it is silent for the bound, yet the rank has shown nothing for longer.
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(settings([a, b], separate=True, liveness=LIVENESS))
+    table: RankTable = p.app[TABLE]
+    stuck(a, "hang")
+
+    async def impatient() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(complete(http, p.url), SILENCE_S * 0.6)
+
+    deadline = time.monotonic() + 3.0
+    sent: list[asyncio.Task[None]] = []
+    while table.ranks["a"].ejected is None and time.monotonic() < deadline:
+        sent.append(asyncio.create_task(impatient()))
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*sent)
+    assert table.ranks["a"].ejected is not None, "a hung rank stayed in rotation"
 
 
 async def test_an_ejected_rank_whose_stream_goes_on_is_back_at_once(fakes, proxy, http) -> None:

@@ -134,6 +134,10 @@ class Liveness:
     prompt: dict[str, float] = field(default_factory=dict)
     _probed: dict[str, float] = field(default_factory=dict)  # rank: last probe sent
     _probing: set[str] = field(default_factory=set)
+    # rank: since when, tick after tick, some stream on it has been silent
+    # (the streams themselves may change: clients that give up and others
+    # that come keep the silence going).
+    _quiet: dict[str, float] = field(default_factory=dict)
 
     def sent(self, rank: str, size: int, judged: bool) -> Ticket:
         """A request goes to ``rank``; ``judged``: a stream was asked for."""
@@ -159,7 +163,7 @@ class Liveness:
     def check(self, now: float | None = None) -> None:
         """Eject each rank silent past its bound while another answers."""
         at = time.monotonic() if now is None else now
-        for kept in (self._tickets, self._progress, self.prompt, self._probed):
+        for kept in (self._tickets, self._progress, self.prompt, self._probed, self._quiet):
             for name in [n for n in kept if n not in self.table.ranks]:
                 del kept[name]  # gone in a reload
         for rank in list(self.table):
@@ -169,9 +173,11 @@ class Liveness:
                 # through its group's fault shows nothing until the retry
                 # and its re-prefill, and that time is the fault's.
                 self._progress[rank.name] = at
+                self._quiet.pop(rank.name, None)
                 continue
             tickets = self._live(rank.name)
             if not tickets:
+                self._quiet.pop(rank.name, None)
                 continue
             stall = self._stall(rank.name, tickets, at)
             if stall is None:
@@ -189,15 +195,20 @@ class Liveness:
         return list(tickets)
 
     def _stall(self, name: str, tickets: list[Ticket], now: float) -> Stall | None:
-        """Silent: the request silent longest (streams waiting on a slow
-        client aside) has been silent past the bound, and nothing else on the
-        rank showed progress since. Its newer requests do not reset it."""
+        """Silent: some stream on the rank (streams waiting on a slow client
+        aside) has been silent since a time past the bound, and nothing on
+        the rank showed progress since. Its newer requests do not reset it,
+        nor do streams that end unanswered: clients that give up before the
+        bound (a 30 s timeout against silence_s 60 s) would keep a hung rank
+        in rotation, each stream gone before it is silent long enough."""
         judged = [t for t in tickets if t.judged and not t.excused]
         sinces = [s for t in judged if (s := t.silent_since()) is not None]
         if not sinces:
+            self._quiet.pop(name, None)
             return None
+        quiet = self._quiet[name] = min(self._quiet.get(name, now), *sinces)
         bound = self.allowance(sum(t.size for t in tickets if not t.first))
-        last = max(min(sinces), self._progress.get(name, 0.0))
+        last = max(quiet, self._progress.get(name, 0.0))
         if now - last <= bound:
             return None
         cause = "stalled" if any(t.first for t in judged) else "first_byte"
