@@ -326,6 +326,23 @@ def test_a_rank_back_from_a_fault_is_judged_from_its_return() -> None:
     assert table.ranks["a"].ejected is not None
 
 
+def test_a_rank_moved_by_a_reload_is_not_judged_on_its_old_streams() -> None:
+    # The operator moves a rank that hung to a new url and reloads: its
+    # streams on the old url are the old server's, not the new one's.
+    table, live = two_ranks()
+    now = time.monotonic()
+    live.sent("a", 100, judged=True)  # on the old url, never answered
+    groups = [
+        {"name": "g-a", "ranks": [{"name": "a", "url": "http://127.0.0.1:9"}]},
+        {"name": "g-b", "ranks": [{"name": "b", "url": "http://127.0.0.1:2"}]},
+    ]
+    table.apply(Settings(groups=groups).groups)
+    table.observe("a", None, Source.POLL, reachable=True, status=RankStatus.HEALTHY)
+    live.prompt["b"] = now + 5.0
+    live.check(now + 5.0)
+    assert table.ranks["a"].routable, table.ranks["a"].ejected
+
+
 # -- vllm:engine_healthy ---------------------------------------------------
 
 

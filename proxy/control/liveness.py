@@ -76,6 +76,9 @@ class Ticket:
     # The time the rank's silence on it counts from, or None while the proxy
     # waits on a slow client and does not read the rank (a stream's Flow).
     quiet_since: Callable[[], float | None] | None = None
+    # The table's entry it was sent to: a reload that moves the rank (a new
+    # url) makes a new entry, which is not judged on the old server's streams.
+    target: Rank | None = None
 
     def heard(self, now: float | None = None) -> None:
         """Progress: a first byte, an event, an answer."""
@@ -142,6 +145,7 @@ class Liveness:
     def sent(self, rank: str, size: int, judged: bool) -> Ticket:
         """A request goes to ``rank``; ``judged``: a stream was asked for."""
         ticket = Ticket(self, rank, size, judged, time.monotonic())
+        ticket.target = self.table.ranks.get(rank)
         if self.cfg.enabled:
             self._tickets.setdefault(rank, set()).add(ticket)
         return ticket
@@ -190,7 +194,8 @@ class Liveness:
         tickets = self._tickets.get(name)
         if not tickets:
             return []
-        done = [t for t in tickets if not t.live]
+        rank = self.table.ranks.get(name)
+        done = [t for t in tickets if not t.live or t.target is not rank]
         tickets.difference_update(done)
         return list(tickets)
 
