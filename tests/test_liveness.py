@@ -441,3 +441,28 @@ async def test_the_gauge_s_zero_keeps_the_polls_fault_word(fakes, proxy, word) -
         await asyncio.sleep(FAST_POLL_S / 10)
     assert a.applies == []
     assert seen == {word}, seen
+
+
+async def test_a_gauge_of_one_does_not_route_to_a_rank_its_ft_status_calls_faulted(
+    fakes, proxy
+) -> None:
+    # The two sources disagree (the gauge lags, or another API server's
+    # view): "newest wins" alone would flip the rank in and out of rotation
+    # every interval, routing new requests to a faulted engine. For an FT
+    # rank the gauge takes it out fast; only its FT status brings it back.
+    a = await fakes(name="a", shape="vllm-v1", metrics=gauge(1))
+    s = settings([a], engine="vllm-v1")
+    s.groups[0].engine_healthy = True
+    s.timeouts.engine_healthy_interval_s = FAST_POLL_S / 5
+    p = await proxy(s)
+    table: RankTable = p.app[TABLE]
+    a.fault()
+    assert await table.wait_for(lambda: table.ranks["a"].status == RankStatus.UNHEALTHY, 1.0)
+    routable = set()
+    deadline = time.monotonic() + FAST_POLL_S * 10
+    while time.monotonic() < deadline:
+        routable.add(table.ranks["a"].routable)
+        await asyncio.sleep(FAST_POLL_S / 10)
+    assert routable == {False}
+    a.recover()  # the poll brings it back
+    assert await table.wait_for(lambda: table.ranks["a"].routable, 1.0)

@@ -6,7 +6,10 @@ manages, from the same cached FT state its status route reports, answered
 while inference is halted. For a group with ``engine_healthy: true`` each
 rank's ``/metrics`` is read every ``timeouts.engine_healthy_interval_s``: the
 rank is healthy when every sample is 1, else unhealthy, and that is merged
-into the rank table as a poll's answer is (the newest observation wins); an
+into the rank table as a poll's answer is (the newest observation wins),
+except that for a rank with an FT status route a 1 is never applied: the
+gauge takes it out at once, its FT status brings it back (the two,
+disagreeing, would flip it in and out of rotation every interval); an
 answer that agrees with the table is not applied again, so the poll's
 detail (fault info, a round's error) stays. A 0 agrees with every status
 but healthy and unknown: it cannot tell ``dead`` or ``recovering`` from
@@ -25,6 +28,7 @@ import logging
 import re
 import time
 
+from proxy.control import engines
 from proxy.control.feed import follow
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
 from proxy.core.errors import RankError
@@ -75,6 +79,11 @@ def samples(body: bytes) -> dict[str, int]:
     return found
 
 
+def _has_status_route(rank: Rank) -> bool:
+    engine = engines.of(rank)
+    return engine is not None and engine.status_path is not None
+
+
 class Scraper:
     """One task per rank of a group with ``engine_healthy``."""
 
@@ -112,6 +121,11 @@ class Scraper:
             return
         self._failing.discard(rank.name)
         healthy = all(v == 1 for v in found.values())
+        if healthy and _has_status_route(rank):
+            # Its FT status brings it back: were a 1 applied too, the two
+            # sources, disagreeing (the gauge lags, or another API server's
+            # view), would flip it in and out of rotation every interval.
+            return
         if healthy == (rank.status == RankStatus.HEALTHY) and rank.status != RankStatus.UNKNOWN:
             # It agrees. A 0 is "unhealthy, dead, or the client has failed":
             # a poll's word for the fault (dead, recovering) says more, and
