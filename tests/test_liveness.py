@@ -343,6 +343,22 @@ def test_a_rank_moved_by_a_reload_is_not_judged_on_its_old_streams() -> None:
     assert table.ranks["a"].routable, table.ranks["a"].ejected
 
 
+def test_a_rank_is_judged_only_against_ranks_that_serve_its_models() -> None:
+    # A large model's prefill against a small model's first bytes says
+    # nothing of either; and ejecting the only rank of a model leaves its
+    # requests nowhere to go.
+    table, live = two_ranks()
+    table.ranks["a"].models, table.ranks["b"].models = frozenset({"big"}), frozenset({"small"})
+    live.sent("a", 100, judged=True)
+    now = time.monotonic()
+    live.prompt["b"] = now + 5.0
+    live.check(now + 5.0)
+    assert table.ranks["a"].routable, table.ranks["a"].ejected
+    table.ranks["b"].models = frozenset({"small", "big"})  # b serves it too
+    live.check(now + 5.0)
+    assert table.ranks["a"].ejected is not None
+
+
 # -- vllm:engine_healthy ---------------------------------------------------
 
 

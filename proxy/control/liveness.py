@@ -15,7 +15,8 @@ still waiting for its first byte (a long prompt, or many queued behind each
 other, earn more time, as prefill time grows with the tokens to prefill).
 Any event of any stream on the rank is progress: an engine that streams one
 request's tokens while it prefills another's is working. And a silent rank is
-ejected only while another rank answers *promptly*: one of its requests had
+ejected only while another rank of one of its models answers *promptly*
+(another model's speed says nothing of its own): one of its requests had
 its first byte within that request's own bound, within the silent rank's
 bound of now. When every rank is as slow (long prompts everywhere, first
 bytes late on all), none is taken out, however their first bytes interleave.
@@ -220,9 +221,21 @@ class Liveness:
         return Stall(now - last, bound, cause, len(judged))
 
     def _answering_peer(self, name: str, since: float) -> str | None:
+        """A rank that answered promptly since ``since`` and serves a model
+        ``name`` serves: another model's first bytes say nothing of this
+        one's prefill, and the only rank of a model taken out leaves its
+        requests nowhere to go."""
         ranks = self.table.ranks
+        models = ranks[name].models
         return next(
-            (n for n, at in self.prompt.items() if n != name and at >= since and n in ranks),
+            (
+                n
+                for n, at in self.prompt.items()
+                if n != name
+                and at >= since
+                and (peer := ranks.get(n)) is not None
+                and (models is None or peer.models is None or not models.isdisjoint(peer.models))
+            ),
             None,
         )
 
