@@ -367,6 +367,12 @@ def test_the_gauge_is_parsed_as_prometheus_client_renders_it() -> None:
     assert samples(b"vllm:engine_healthy 1\n") == {"": 1}  # no label: still one engine
     # Other metrics with the same head are not it; a timestamp is allowed.
     assert samples(b'vllm:engine_healthy_x 0\nvllm:engine_healthy{engine="3"} 1 1700\n') == {"3": 1}
+    # A 0 is never hidden: by a later sample of the same engine, nor by a
+    # label whose name only ends in "engine".
+    twice = b'vllm:engine_healthy{engine="0",m="a"} 0\nvllm:engine_healthy{engine="0",m="b"} 1\n'
+    assert samples(twice) == {"0": 0}
+    other = b'vllm:engine_healthy{sub_engine="x",engine="0"} 0\n'
+    assert samples(other + other.replace(b'"0"} 0', b'"1"} 1')) == {"0": 0, "1": 1}
     for junk in (
         b"",
         b"<html>not metrics</html>",

@@ -42,7 +42,8 @@ log = logging.getLogger("ftproxy.feed")
 NAME = b"vllm:engine_healthy"
 # One sample in the text format: name, optional labels, value, optional timestamp.
 SAMPLE = re.compile(rb"vllm:engine_healthy(?:\{([^}]*)\})?[ \t]+(\S+)(?:[ \t]+\S+)?[ \t]*")
-ENGINE = re.compile(rb'engine="([^"]{0,64})"')
+# The label itself, not one whose name ends so (``subengine``).
+ENGINE = re.compile(rb'(?:^|,)[ \t]*engine="([^"]{0,64})"')
 MAX_SAMPLES = 1024  # engines behind one API server; more is no vLLM answer
 
 
@@ -71,7 +72,10 @@ def samples(body: bytes) -> dict[str, int]:
             raise Junk(f"{NAME.decode()} value {raw[:20]!r} is no number") from None
         if value not in (0.0, 1.0):
             raise Junk(f"{NAME.decode()} value {value:g} is neither 0 nor 1")
-        found[engine.group(1).decode("utf-8", "replace") if engine else ""] = int(value)
+        key = engine.group(1).decode("utf-8", "replace") if engine else ""
+        # Two samples of one engine (other labels beside it): a 0 is never
+        # hidden by a 1 that follows it.
+        found[key] = min(found.get(key, 1), int(value))
         if len(found) > MAX_SAMPLES:
             raise Junk(f"over {MAX_SAMPLES} {NAME.decode()} samples")
     if not found:
