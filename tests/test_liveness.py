@@ -29,6 +29,7 @@ from proxy.control.healthmetric import Junk, samples
 from proxy.control.liveness import Liveness
 from proxy.control.ranks import RankStatus, RankTable, Source
 from proxy.core.settings import Settings
+from proxy.dataplane.relay import Attempt, Relay
 from proxy.ingress.state import TABLE
 from proxy.telemetry.metrics import Metrics
 from tests.conftest import FAST_POLL_S, until
@@ -357,6 +358,68 @@ def test_a_rank_is_judged_only_against_ranks_that_serve_its_models() -> None:
     table.ranks["b"].models = frozenset({"small", "big"})  # b serves it too
     live.check(now + 5.0)
     assert table.ranks["a"].ejected is not None
+
+
+class _Blocked:
+    """A client that takes the first write of a stream, then stops reading."""
+
+    def __init__(self) -> None:
+        self.gate, self.written = asyncio.Event(), 0
+
+    async def open_stream(self, status: int, headers: Any) -> _Blocked:
+        return self
+
+    async def write(self, data: bytes) -> None:
+        self.written += 1
+        await self.gate.wait()
+
+    async def close_stream(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class _Events:
+    """A rank's SSE answer of two events."""
+
+    status, content_type, closed = 200, "text/event-stream", False
+
+    def header_items(self) -> Any:
+        return iter([("Content-Type", "text/event-stream")])
+
+    async def chunks(self) -> Any:
+        for n in (1, 2):
+            yield b"data: %d\n\n" % n
+
+    def release(self) -> None:
+        self.closed = True
+
+    close = release
+
+
+async def test_a_slow_client_of_a_plain_stream_is_no_silence_of_its_rank() -> None:
+    # A stream of a forwarded path other than completions and chat is passed
+    # on as it comes, without a hold: waiting on its client, the proxy does
+    # not read the rank either.
+    table, live = two_ranks()
+    s = Settings(groups=[{"name": "g", "ranks": [{"name": "a", "url": "http://127.0.0.1:1"}]}])
+    relay = Relay(table, None, s, Metrics(table))  # type: ignore[arg-type]
+    relay.liveness = live
+    up, client = _Events(), _Blocked()
+    ticket = live.sent("a", 100, judged=False)
+    ticket.answered(up)  # type: ignore[arg-type]
+    attempt = Attempt(table.ranks["a"], up, time.monotonic(), ticket)  # type: ignore[arg-type]
+    task = asyncio.create_task(relay.relay(client, attempt))  # type: ignore[arg-type]
+    try:
+        assert await until(lambda: client.written == 1, 1.0)
+        now = time.monotonic()
+        live.prompt["b"] = now + 5.0
+        live.check(now + 5.0)
+        assert table.ranks["a"].routable, table.ranks["a"].ejected
+    finally:
+        client.gate.set()
+        await asyncio.wait_for(task, 1.0)
 
 
 # -- vllm:engine_healthy ---------------------------------------------------
