@@ -156,6 +156,9 @@ class FakeRank:
     applies: list[dict[str, Any]] = field(default_factory=list)
     status_at_apply: list[str] = field(default_factory=list)
     url: str = ""
+    # Set: /v1 paths need ``Authorization: Bearer <it>``, as vLLM's --api-key
+    # (its AuthenticationMiddleware skips paths outside /v1); else 401.
+    api_key: str | None = None
     # Set: serve HTTPS with it (url is then https://127.0.0.1:port).
     ssl_context: ssl.SSLContext | None = None
     _runner: web.AppRunner | None = None
@@ -198,7 +201,7 @@ class FakeRank:
         if self.status == "healthy":
             self._healthy.set()
         self._thawed.set()
-        app = web.Application(middlewares=[self._frozen, self._record])
+        app = web.Application(middlewares=[self._frozen, self._record, self._keyed])
         ft = "/fault_tolerance" if self.shape == "vllm-0.32" else "/v1/fault_tolerance"
         app.router.add_get(ft + "/status", self._status)
         app.router.add_post(ft + "/apply", self._apply)
@@ -234,6 +237,13 @@ class FakeRank:
     async def _echo(self, request: web.Request) -> web.Response:
         body = await request.read()
         return web.json_response({"path": request.raw_path, "bytes": len(body)})
+
+    @web.middleware
+    async def _keyed(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get("Authorization")
+        if self.api_key and request.path.startswith("/v1") and given != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)  # type: ignore[no-any-return]
 
     @web.middleware
     async def _frozen(self, request: web.Request, handler: Any) -> web.StreamResponse:

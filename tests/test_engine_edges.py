@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from proxy.ingress.state import TABLE
 from tests.test_engines import settings
 
 
@@ -148,3 +149,14 @@ async def test_sglang_retry_after_a_scale_down_is_not_blocked_by_the_removed_dp_
         http, "POST", p.url + "/admin/retry", {"group": "g", "wait_unhealthy_s": 1}
     )
     assert report["outcome"] == "recovered", report
+
+
+@pytest.mark.xfail(strict=True, reason="the proxy has no key of its own for the ranks")
+async def test_a_v1_rank_behind_an_api_key_is_polled(fakes, proxy) -> None:
+    # vLLM's --api-key guards every path under /v1, and the newer FT routes
+    # are there (/v1/fault_tolerance/status): polled without a key, the
+    # rank answers 401 and is never routable, though healthy.
+    a = await fakes(name="a", shape="vllm-v1", api_key="k")
+    p = await proxy(settings([a], engine="vllm-v1"), wait_routable=False)
+    table = p.app[TABLE]
+    assert await table.wait_for(lambda: table.ranks["a"].routable, 1.0)

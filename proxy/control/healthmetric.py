@@ -6,9 +6,14 @@ manages, from the same cached FT state its status route reports, answered
 while inference is halted. For a group with ``engine_healthy: true`` each
 rank's ``/metrics`` is read every ``timeouts.engine_healthy_interval_s``: the
 rank is healthy when every sample is 1, else unhealthy, and that is merged
-into the rank table as a poll's answer is (the newest observation wins); an
+into the rank table as a poll's answer is (the newest observation wins),
+except that for a rank with an FT status route a 1 is never applied: the
+gauge takes it out at once, its FT status brings it back (the two,
+disagreeing, would flip it in and out of rotation every interval); an
 answer that agrees with the table is not applied again, so the poll's
-detail (fault info, a round's error) stays. A scrape that fails (no answer,
+detail (fault info, a round's error) stays. A 0 agrees with every status
+but healthy and unknown: it cannot tell ``dead`` or ``recovering`` from
+``unhealthy``, and the poll's word decides what recovery may send. A scrape that fails (no answer,
 over its bound, no such gauge, a value other than 0 or 1) changes nothing
 and is logged once until one succeeds: whether the rank answers is the
 polls' to say. For a rank without an FT status route
@@ -23,6 +28,7 @@ import logging
 import re
 import time
 
+from proxy.control import engines
 from proxy.control.feed import follow
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
 from proxy.core.errors import RankError
@@ -36,7 +42,8 @@ log = logging.getLogger("ftproxy.feed")
 NAME = b"vllm:engine_healthy"
 # One sample in the text format: name, optional labels, value, optional timestamp.
 SAMPLE = re.compile(rb"vllm:engine_healthy(?:\{([^}]*)\})?[ \t]+(\S+)(?:[ \t]+\S+)?[ \t]*")
-ENGINE = re.compile(rb'engine="([^"]{0,64})"')
+# The label itself, not one whose name ends so (``subengine``).
+ENGINE = re.compile(rb'(?:^|,)[ \t]*engine="([^"]{0,64})"')
 MAX_SAMPLES = 1024  # engines behind one API server; more is no vLLM answer
 
 
@@ -65,12 +72,20 @@ def samples(body: bytes) -> dict[str, int]:
             raise Junk(f"{NAME.decode()} value {raw[:20]!r} is no number") from None
         if value not in (0.0, 1.0):
             raise Junk(f"{NAME.decode()} value {value:g} is neither 0 nor 1")
-        found[engine.group(1).decode("utf-8", "replace") if engine else ""] = int(value)
+        key = engine.group(1).decode("utf-8", "replace") if engine else ""
+        # Two samples of one engine (other labels beside it): a 0 is never
+        # hidden by a 1 that follows it.
+        found[key] = min(found.get(key, 1), int(value))
         if len(found) > MAX_SAMPLES:
             raise Junk(f"over {MAX_SAMPLES} {NAME.decode()} samples")
     if not found:
         raise Junk(f"no {NAME.decode()} in the answer")
     return found
+
+
+def _has_status_route(rank: Rank) -> bool:
+    engine = engines.of(rank)
+    return engine is not None and engine.status_path is not None
 
 
 class Scraper:
@@ -110,9 +125,17 @@ class Scraper:
             return
         self._failing.discard(rank.name)
         healthy = all(v == 1 for v in found.values())
-        status = RankStatus.HEALTHY if healthy else RankStatus.UNHEALTHY
-        if status == rank.status:
+        if healthy and _has_status_route(rank):
+            # Its FT status brings it back: were a 1 applied too, the two
+            # sources, disagreeing (the gauge lags, or another API server's
+            # view), would flip it in and out of rotation every interval.
             return
+        if healthy == (rank.status == RankStatus.HEALTHY) and rank.status != RankStatus.UNKNOWN:
+            # It agrees. A 0 is "unhealthy, dead, or the client has failed":
+            # a poll's word for the fault (dead, recovering) says more, and
+            # folded into "unhealthy" a dead rank would be sent a retry.
+            return
+        status = RankStatus.HEALTHY if healthy else RankStatus.UNHEALTHY
         detail = {"source": NAME.decode(), "engine_healthy": found}
         self.table.observe(
             rank.name, sent_at, Source.METRICS, reachable=True, status=status, detail=detail

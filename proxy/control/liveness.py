@@ -15,12 +15,15 @@ still waiting for its first byte (a long prompt, or many queued behind each
 other, earn more time, as prefill time grows with the tokens to prefill).
 Any event of any stream on the rank is progress: an engine that streams one
 request's tokens while it prefills another's is working. And a silent rank is
-ejected only while another rank answers *promptly*: one of its requests had
+ejected only while another rank of one of its models answers *promptly*
+(another model's speed says nothing of its own): one of its requests had
 its first byte within that request's own bound, within the silent rank's
 bound of now. When every rank is as slow (long prompts everywhere, first
-bytes late on all), none is taken out, however their first bytes interleave. A whole
-(non-streamed) answer shows nothing before its end, so such requests are
-not judged; their answers count as progress.
+bytes late on all), none is taken out, however their first bytes interleave.
+Time out of rotation (its own fault, its group's, a drain) is no silence: a
+rank is judged from its return. A whole (non-streamed) answer shows nothing
+before its end, so such requests are not judged; their answers count as
+progress.
 
 An ejected rank is back at once when one of its requests shows progress, or
 when a probe (a 1-token completion every ``liveness.probe_interval_s``, sent
@@ -74,6 +77,9 @@ class Ticket:
     # The time the rank's silence on it counts from, or None while the proxy
     # waits on a slow client and does not read the rank (a stream's Flow).
     quiet_since: Callable[[], float | None] | None = None
+    # The table's entry it was sent to: a reload that moves the rank (a new
+    # url) makes a new entry, which is not judged on the old server's streams.
+    target: Rank | None = None
 
     def heard(self, now: float | None = None) -> None:
         """Progress: a first byte, an event, an answer."""
@@ -132,10 +138,15 @@ class Liveness:
     prompt: dict[str, float] = field(default_factory=dict)
     _probed: dict[str, float] = field(default_factory=dict)  # rank: last probe sent
     _probing: set[str] = field(default_factory=set)
+    # rank: since when, tick after tick, some stream on it has been silent
+    # (the streams themselves may change: clients that give up and others
+    # that come keep the silence going).
+    _quiet: dict[str, float] = field(default_factory=dict)
 
     def sent(self, rank: str, size: int, judged: bool) -> Ticket:
         """A request goes to ``rank``; ``judged``: a stream was asked for."""
         ticket = Ticket(self, rank, size, judged, time.monotonic())
+        ticket.target = self.table.ranks.get(rank)
         if self.cfg.enabled:
             self._tickets.setdefault(rank, set()).add(ticket)
         return ticket
@@ -157,13 +168,22 @@ class Liveness:
     def check(self, now: float | None = None) -> None:
         """Eject each rank silent past its bound while another answers."""
         at = time.monotonic() if now is None else now
-        for kept in (self._tickets, self._progress, self.prompt, self._probed):
+        for kept in (self._tickets, self._progress, self.prompt, self._probed, self._quiet):
             for name in [n for n in kept if n not in self.table.ranks]:
                 del kept[name]  # gone in a reload
         for rank in list(self.table):
+            if not rank.routable:
+                # Out already, by its own word, its group's or this module's.
+                # Its silence counts from its return: a stream held on it
+                # through its group's fault shows nothing until the retry
+                # and its re-prefill, and that time is the fault's.
+                self._progress[rank.name] = at
+                self._quiet.pop(rank.name, None)
+                continue
             tickets = self._live(rank.name)
-            if not rank.routable or not tickets:
-                continue  # out already, by its own word, its group's or this module's
+            if not tickets:
+                self._quiet.pop(rank.name, None)
+                continue
             stall = self._stall(rank.name, tickets, at)
             if stall is None:
                 continue
@@ -175,29 +195,47 @@ class Liveness:
         tickets = self._tickets.get(name)
         if not tickets:
             return []
-        done = [t for t in tickets if not t.live]
+        rank = self.table.ranks.get(name)
+        done = [t for t in tickets if not t.live or t.target is not rank]
         tickets.difference_update(done)
         return list(tickets)
 
     def _stall(self, name: str, tickets: list[Ticket], now: float) -> Stall | None:
-        """Silent: the request silent longest (streams waiting on a slow
-        client aside) has been silent past the bound, and nothing else on the
-        rank showed progress since. Its newer requests do not reset it."""
+        """Silent: some stream on the rank (streams waiting on a slow client
+        aside) has been silent since a time past the bound, and nothing on
+        the rank showed progress since. Its newer requests do not reset it,
+        nor do streams that end unanswered: clients that give up before the
+        bound (a 30 s timeout against silence_s 60 s) would keep a hung rank
+        in rotation, each stream gone before it is silent long enough."""
         judged = [t for t in tickets if t.judged and not t.excused]
         sinces = [s for t in judged if (s := t.silent_since()) is not None]
         if not sinces:
+            self._quiet.pop(name, None)
             return None
+        quiet = self._quiet[name] = min(self._quiet.get(name, now), *sinces)
         bound = self.allowance(sum(t.size for t in tickets if not t.first))
-        last = max(min(sinces), self._progress.get(name, 0.0))
+        last = max(quiet, self._progress.get(name, 0.0))
         if now - last <= bound:
             return None
         cause = "stalled" if any(t.first for t in judged) else "first_byte"
         return Stall(now - last, bound, cause, len(judged))
 
     def _answering_peer(self, name: str, since: float) -> str | None:
+        """A rank that answered promptly since ``since`` and serves a model
+        ``name`` serves: another model's first bytes say nothing of this
+        one's prefill, and the only rank of a model taken out leaves its
+        requests nowhere to go."""
         ranks = self.table.ranks
+        models = ranks[name].models
         return next(
-            (n for n, at in self.prompt.items() if n != name and at >= since and n in ranks),
+            (
+                n
+                for n, at in self.prompt.items()
+                if n != name
+                and at >= since
+                and (peer := ranks.get(n)) is not None
+                and (models is None or peer.models is None or not models.isdisjoint(peer.models))
+            ),
             None,
         )
 

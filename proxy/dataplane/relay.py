@@ -495,13 +495,20 @@ class Relay:
         try:
             sink = await reply.open_stream(up.status, headers)
             rec = accesslog.current()
+            # Waiting on the client (backpressure), the proxy reads nothing
+            # from the rank: that time is no silence of the rank's (as a
+            # held stream's Flow says): None while a write waits.
+            quiet: list[float | None] = [time.monotonic()]
+            attempt.ticket.quiet_since = lambda: quiet[0]
             try:
                 async for chunk in up.chunks():
                     attempt.ticket.heard()
                     if rec is not None:
                         rec.first_byte()
                         rec = None
+                    quiet[0] = None
                     await sink.write(chunk)
+                    quiet[0] = time.monotonic()
             except BODY_ERRORS as e:  # the rank's; a client's failed write goes on up
                 self._lost_mid_stream(attempt, e)
                 reply.abort()  # no last chunk: the client cannot take it as complete
