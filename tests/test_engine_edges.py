@@ -151,12 +151,37 @@ async def test_sglang_retry_after_a_scale_down_is_not_blocked_by_the_removed_dp_
     assert report["outcome"] == "recovered", report
 
 
-@pytest.mark.xfail(strict=True, reason="the proxy has no key of its own for the ranks")
-async def test_a_v1_rank_behind_an_api_key_is_polled(fakes, proxy) -> None:
+async def test_a_v1_rank_behind_an_api_key_is_polled_with_the_ranks_key(fakes, proxy) -> None:
     # vLLM's --api-key guards every path under /v1, and the newer FT routes
     # are there (/v1/fault_tolerance/status): polled without a key, the
     # rank answers 401 and is never routable, though healthy.
     a = await fakes(name="a", shape="vllm-v1", api_key="k")
     p = await proxy(settings([a], engine="vllm-v1"), wait_routable=False)
     table = p.app[TABLE]
+    assert not await table.wait_for(lambda: table.ranks["a"].routable, 0.3)
+    detail = table.ranks["a"].snapshot()
+    assert detail["status"] == "unknown" and "upstream_api_key" in str(detail), detail
+    p = await proxy(settings([a], engine="vllm-v1", upstream_api_key="k"), wait_routable=False)
+    table = p.app[TABLE]
     assert await table.wait_for(lambda: table.ranks["a"].routable, 1.0)
+
+
+async def test_the_ranks_key_replaces_the_clients_and_reaches_every_call(
+    fakes, proxy, http
+) -> None:
+    # The proxy's own keys for clients, the ranks' key for the ranks: a
+    # client's key is never passed on, and polls, recovery's apply and the
+    # relay all carry the ranks' key.
+    a = await fakes(name="a", shape="vllm-v1", api_key="rank-key")
+    s = settings([a], upstream_api_key="rank-key", api_keys=["client-key"], auto=True)
+    p = await proxy(s)
+    async with http.post(
+        p.url + "/v1/completions",
+        json={"prompt": "x"},
+        headers={"Authorization": "Bearer client-key"},
+    ) as r:
+        assert r.status == 200, await r.text()
+    a.fault()
+    table = p.app[TABLE]
+    assert await table.wait_for(lambda: len(a.applies) == 1 and table.ranks["a"].routable, 3.0)
+    assert a.applies[0]["request_id"]

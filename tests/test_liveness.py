@@ -553,14 +553,13 @@ async def test_a_gauge_of_one_does_not_route_to_a_rank_its_ft_status_calls_fault
     assert await table.wait_for(lambda: table.ranks["a"].routable, 1.0)
 
 
-@pytest.mark.xfail(strict=True, reason="the probe carries no credential the rank takes")
 async def test_an_ejected_rank_that_needs_an_api_key_is_probed_back(fakes, proxy, http) -> None:
-    # vLLM's --api-key guards every /v1 path; the proxy passes the clients'
-    # key on. Its probe, a /v1/completions of its own, carries none: 401
-    # every time, so once the streams it was ejected on are gone, the rank
-    # never comes back.
+    # vLLM's --api-key guards every /v1 path. The probe, a /v1/completions
+    # of the proxy's own, carries upstream_api_key (without it: 401 every
+    # time, and once the streams it was ejected on are gone, the rank would
+    # never come back).
     a, b = await fakes(name="a", api_key="k"), await fakes(name="b", api_key="k")
-    s = settings([a, b], engine="vllm-0.32", separate=True, liveness=LIVENESS)
+    s = settings([a, b], engine="vllm-0.32", separate=True, liveness=LIVENESS, upstream_api_key="k")
     p = await proxy(s)
     table: RankTable = p.app[TABLE]
     http.headers["Authorization"] = "Bearer k"

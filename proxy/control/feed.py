@@ -73,6 +73,9 @@ async def follow(
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
+REFUSED_KEY = "the rank refuses the proxy's key (upstream_api_key)"
+
+
 class Poller:
     """One task per rank: poll its FT status every interval."""
 
@@ -89,7 +92,7 @@ class Poller:
         max_bytes = (limits or Limits()).max_status_bytes
         counter = metrics.too_large if metrics is not None else None
         self.bound = Bound("status", max_bytes, t.poll_timeout_s, counter)
-        self._lost: set[str] = set()  # FT ranks whose status path answered 404 (warned)
+        self._lost: set[str] = set()  # FT ranks whose status path answered 404 or 401 (warned)
 
     async def run(self) -> None:
         await follow(
@@ -156,6 +159,17 @@ class Poller:
                     engine.status_path,
                 )
             return RankStatus.UNKNOWN, {"http_status": answer.status, "path": engine.status_path}
+        if answer.status in (401, 403):
+            # Not the engine's state: the rank (vLLM's --api-key guards every
+            # /v1 path, the newer FT routes too) refuses the proxy's key.
+            if rank.name not in self._lost:
+                self._lost.add(rank.name)
+                log.warning(
+                    "rank %s refuses the status poll (%d): set upstream_api_key to its key",
+                    rank.name,
+                    answer.status,
+                )
+            return RankStatus.UNKNOWN, {"http_status": answer.status, "reason": REFUSED_KEY}
         return RankStatus.UNHEALTHY, {"http_status": answer.status}
 
     async def _probe(self, rank: Rank) -> Engine | None:

@@ -353,9 +353,17 @@ class Settings(BaseSettings):
     coordination: CoordinationConfig = CoordinationConfig()
     # Optional data-plane API keys (Authorization: Bearer <key>).
     api_keys: list[SecretStr] = []
+    # The ranks' own key (vLLM's --api-key guards every /v1 path, the newer
+    # FT routes included): sent to them on every request, the client's never.
+    upstream_api_key: SecretStr | None = None
     log_level: str = "INFO"
     logging: Logging = Logging()
     tracing: TracingConfig = TracingConfig()
+
+    @field_validator("upstream_api_key")
+    @classmethod
+    def _usable_rank_key(cls, v: SecretStr | None) -> SecretStr | None:
+        return _usable_secret(v)
 
     @field_validator("api_keys")
     @classmethod

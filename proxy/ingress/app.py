@@ -79,7 +79,8 @@ def _outbound(request: Request, body: bytes, parsed: dict[str, Any]) -> tuple[Ou
         rec.model = parsed["model"][:200]
     # The route's own path (from the config), not the client's spelling of it.
     method, path, rid = request.method, request.route, request.request_id
-    headers = request_headers(request.headers, rid, strip_auth=bool(app[SETTINGS].api_keys))
+    strip_auth, key = bool(app[SETTINGS].api_keys), app[UPSTREAM].api_key
+    headers = request_headers(request.headers, rid, strip_auth, key)
     out = Outbound(method, path, headers, body, rid)
     kind = generation.KINDS.get(path)
     if kind is not None:
@@ -151,7 +152,10 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     # Every call to a rank (relay, polls, models, recovery) goes through one
     # upstream, so https:// ranks are verified the same way everywhere.
     tls = app[SETTINGS].upstream_tls.context()
-    upstream = Upstream(t, limits.upstream_connections_per_rank, tls=tls)
+    key = app[SETTINGS].upstream_api_key
+    upstream = Upstream(
+        t, limits.upstream_connections_per_rank, tls, key.get_secret_value() if key else None
+    )
     app[UPSTREAM] = upstream
     app[RELAY] = Relay(app[TABLE], upstream.relay, app[SETTINGS], app[METRICS])
     app[RELAY].tracing = app[TRACING]

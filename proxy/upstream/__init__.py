@@ -55,9 +55,13 @@ def make_rank_client(
 
 
 # Answers are asked for uncompressed (proxy.upstream.bounded), whatever is sent.
-_JSON = CIMultiDictProxy(
-    CIMultiDict({"Accept-Encoding": "identity", "Content-Type": "application/json"})
-)
+_IDENTITY = {"Accept-Encoding": "identity"}
+_JSON = {**_IDENTITY, "Content-Type": "application/json"}
+
+
+def _side_headers(base: dict[str, str], api_key: str | None) -> CIMultiDictProxy[str]:
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+    return CIMultiDictProxy(CIMultiDict({**base, **auth}))
 
 
 class Upstream:
@@ -65,20 +69,33 @@ class Upstream:
 
     Side requests have a pool of their own, with the same bounds: streams
     may hold each of a rank's ``per_rank`` relay connections for minutes, and
-    a status poll queued behind them would read as the rank down."""
+    a status poll queued behind them would read as the rank down.
 
-    def __init__(self, t: Timeouts, per_rank: int = 0, tls: ssl.SSLContext | bool = True) -> None:
+    ``api_key`` (``upstream_api_key``): the ranks' own key (vLLM's
+    ``--api-key``), sent on every side request; the relay's requests get it
+    from :func:`request_headers`."""
+
+    def __init__(
+        self,
+        t: Timeouts,
+        per_rank: int = 0,
+        tls: ssl.SSLContext | bool = True,
+        api_key: str | None = None,
+    ) -> None:
         self.relay = make_rank_client(t, per_rank, tls)
         self.side = make_rank_client(t, per_rank, tls)
+        self.api_key = api_key  # read at start, as TLS: a reload keeps it
+        self._get_headers = _side_headers(_IDENTITY, api_key)
+        self._post_headers = _side_headers(_JSON, api_key)
 
     async def get(self, rank_url: str, path: str, bound: Bound) -> Answer:
         """``GET path`` of the rank, its answer read whole within ``bound``."""
-        return await fetch(self.side, "GET", rank_url + path, bound)
+        return await fetch(self.side, "GET", rank_url + path, bound, b"", self._get_headers)
 
     async def post_json(self, rank_url: str, path: str, body: Any, bound: Bound) -> Answer:
         """``POST path`` of the rank with ``body`` as JSON, as :meth:`get`."""
         raw = jsonlib.dumps(body).encode()
-        return await fetch(self.side, "POST", rank_url + path, bound, raw, _JSON)
+        return await fetch(self.side, "POST", rank_url + path, bound, raw, self._post_headers)
 
     async def close(self) -> None:
         await self.relay.close()
@@ -86,8 +103,11 @@ class Upstream:
 
 
 def request_headers(
-    incoming: Mapping[str, str], request_id: str, strip_auth: bool
+    incoming: Mapping[str, str], request_id: str, strip_auth: bool, rank_key: str | None = None
 ) -> CIMultiDict[str]:
+    """A client's headers for the rank. With ``rank_key`` the rank gets its
+    own key, never the client's (which may be the proxy's, or none)."""
+    strip_auth = strip_auth or rank_key is not None
     out: CIMultiDict[str] = CIMultiDict()
     named: list[str] = []
     for k, v in incoming.items():
@@ -101,6 +121,8 @@ def request_headers(
     # The proxy reads generation answers (holds, continuations): uncompressed.
     out["Accept-Encoding"] = "identity"
     out["X-Request-Id"] = request_id
+    if rank_key is not None:
+        out["Authorization"] = f"Bearer {rank_key}"
     return out
 
 
