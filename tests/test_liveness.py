@@ -448,15 +448,27 @@ def test_the_gauge_is_parsed_as_prometheus_client_renders_it() -> None:
             samples(junk)
 
 
+async def gauged(
+    fakes: Any,
+    proxy: Any,
+    engine: str,
+    auto: bool = False,
+    every_s: float = FAST_POLL_S,
+    **fake: Any,
+) -> tuple[FakeRank, RankTable, Any]:
+    """One rank ``a`` whose vllm:engine_healthy is scraped every ``every_s``."""
+    a = await fakes(name="a", **fake)
+    s = settings([a], engine=engine, auto=auto)
+    s.groups[0].engine_healthy = True
+    s.timeouts.engine_healthy_interval_s = every_s
+    p = await proxy(s)
+    return a, p.app[TABLE], p
+
+
 async def test_engine_healthy_takes_a_rank_out_and_puts_it_back(fakes, proxy, http) -> None:
     # A rank without an FT status route (engine: none), whose /health stays
     # 200 while its engine is faulted: the gauge is its status.
-    a = await fakes(name="a", has_ft=False, metrics=gauge(1))
-    s = settings([a], engine="none")
-    s.groups[0].engine_healthy = True
-    s.timeouts.engine_healthy_interval_s = FAST_POLL_S
-    p = await proxy(s)
-    table: RankTable = p.app[TABLE]
+    a, table, p = await gauged(fakes, proxy, "none", has_ft=False, metrics=gauge(1))
     assert table.ranks["a"].status == RankStatus.HEALTHY
     a.metrics = gauge(0)
     assert await table.wait_for(lambda: not table.ranks["a"].routable, 1.0)
@@ -473,12 +485,9 @@ async def test_engine_healthy_takes_a_rank_out_and_puts_it_back(fakes, proxy, ht
 async def test_engine_healthy_merges_with_the_ft_status_newest_wins(fakes, proxy) -> None:
     # An FT rank: both say the same in steady state; the gauge's 0 takes the
     # rank out as soon as it is read, before the poll says so (the poll lags).
-    a = await fakes(name="a", shape="vllm-v1", metrics=gauge(1), reports_fault=False)
-    s = settings([a], engine="vllm-v1")
-    s.groups[0].engine_healthy = True
-    s.timeouts.engine_healthy_interval_s = FAST_POLL_S
-    p = await proxy(s)
-    table: RankTable = p.app[TABLE]
+    a, table, _ = await gauged(
+        fakes, proxy, "vllm-v1", shape="vllm-v1", metrics=gauge(1), reports_fault=False
+    )
     a.metrics = gauge(1, 0)  # one of its engines unhealthy
     assert await table.wait_for(lambda: table.ranks["a"].status == RankStatus.UNHEALTHY, 1.0)
     assert table.ranks["a"].source == "metrics"
@@ -488,12 +497,7 @@ async def test_engine_healthy_merges_with_the_ft_status_newest_wins(fakes, proxy
     "junk", [b"\x00\xff garbage", b'vllm:engine_healthy{engine="0"} 7\n', b"#" * (2 << 20)]
 )
 async def test_a_junk_metrics_answer_changes_nothing(fakes, proxy, junk) -> None:
-    a = await fakes(name="a", has_ft=False, metrics=gauge(1))
-    s = settings([a], engine="none")
-    s.groups[0].engine_healthy = True
-    s.timeouts.engine_healthy_interval_s = FAST_POLL_S
-    p = await proxy(s)
-    table: RankTable = p.app[TABLE]
+    a, table, _ = await gauged(fakes, proxy, "none", has_ft=False, metrics=gauge(1))
     before = dict(table.ranks["a"].detail)
     assert table.ranks["a"].routable and before["engine_healthy"] == {"0": 1}
     a.metrics = junk  # the last one is over limits.max_status_bytes (1 MiB)
@@ -510,12 +514,15 @@ async def test_the_gauge_s_zero_keeps_the_polls_fault_word(fakes, proxy, word) -
     # cannot tell dead from unhealthy, nor a round in progress. The poll's
     # word stays; else a dead rank reads "unhealthy" between polls and
     # automatic recovery sends it a retry (restart needed, never a retry).
-    a = await fakes(name="a", shape="vllm-v1", metrics=gauge(1))
-    s = settings([a], engine="vllm-v1", auto=True)
-    s.groups[0].engine_healthy = True
-    s.timeouts.engine_healthy_interval_s = FAST_POLL_S / 5
-    p = await proxy(s)
-    table: RankTable = p.app[TABLE]
+    a, table, _ = await gauged(
+        fakes,
+        proxy,
+        "vllm-v1",
+        auto=True,
+        every_s=FAST_POLL_S / 5,
+        shape="vllm-v1",
+        metrics=gauge(1),
+    )
     a.metrics = gauge(0)
     a.fault(word)
     assert await table.wait_for(lambda: table.ranks["a"].status == word, 1.0)
@@ -535,12 +542,9 @@ async def test_a_gauge_of_one_does_not_route_to_a_rank_its_ft_status_calls_fault
     # view): "newest wins" alone would flip the rank in and out of rotation
     # every interval, routing new requests to a faulted engine. For an FT
     # rank the gauge takes it out fast; only its FT status brings it back.
-    a = await fakes(name="a", shape="vllm-v1", metrics=gauge(1))
-    s = settings([a], engine="vllm-v1")
-    s.groups[0].engine_healthy = True
-    s.timeouts.engine_healthy_interval_s = FAST_POLL_S / 5
-    p = await proxy(s)
-    table: RankTable = p.app[TABLE]
+    a, table, _ = await gauged(
+        fakes, proxy, "vllm-v1", every_s=FAST_POLL_S / 5, shape="vllm-v1", metrics=gauge(1)
+    )
     a.fault()
     assert await table.wait_for(lambda: table.ranks["a"].status == RankStatus.UNHEALTHY, 1.0)
     routable = set()
