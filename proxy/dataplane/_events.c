@@ -16,11 +16,16 @@
 static PyObject *too_large = NULL;
 static Py_ssize_t max_event = (Py_ssize_t)8 << 20;
 
+/* A growable byte buffer: the client's bytes of one read, or an unfinished event. */
 typedef struct {
-    PyObject_HEAD
-    char *buf;        /* the unfinished event's parts, joined as they come */
+    char *p;
     Py_ssize_t len;
     Py_ssize_t cap;
+} Out;
+
+typedef struct {
+    PyObject_HEAD
+    Out pending;      /* the unfinished event's parts, joined as they come */
     Py_ssize_t size;  /* SSEParser._size: counted even for a part refused */
     Py_ssize_t parts; /* parts kept: SSEParser's `not self._parts` */
 } Parser;
@@ -59,13 +64,6 @@ has_end(const char *p, Py_ssize_t n)
     return 0;
 }
 
-/* A growable byte buffer (the client's bytes of one read). */
-typedef struct {
-    char *p;
-    Py_ssize_t len;
-    Py_ssize_t cap;
-} Out;
-
 static int
 out_put(Out *o, const char *d, Py_ssize_t n)
 {
@@ -92,21 +90,7 @@ out_put(Out *o, const char *d, Py_ssize_t n)
 static int
 put(Parser *self, const char *d, Py_ssize_t n)
 {
-    if (self->len + n > self->cap) {
-        Py_ssize_t cap = self->cap ? self->cap : 1024;
-        while (cap < self->len + n)
-            cap *= 2;
-        char *p = PyMem_Realloc(self->buf, (size_t)cap);
-        if (p == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->buf = p;
-        self->cap = cap;
-    }
-    memcpy(self->buf + self->len, d, (size_t)n);
-    self->len += n;
-    return 0;
+    return out_put(&self->pending, d, n);
 }
 
 /* SSEParser._keep: memory stays bounded while an event's end is awaited. */
@@ -249,8 +233,8 @@ split(Parser *self, PyObject *chunk)
     }
     /* An event's end split across two reads: in the kept tail and this head. */
     char probe[6];
-    Py_ssize_t t = self->len < 3 ? self->len : 3, h = n < 3 ? n : 3;
-    memcpy(probe, self->buf + self->len - t, (size_t)t);
+    Py_ssize_t t = self->pending.len < 3 ? self->pending.len : 3, h = n < 3 ? n : 3;
+    memcpy(probe, self->pending.p + self->pending.len - t, (size_t)t);
     memcpy(probe + t, c, (size_t)h);
     if (!has_end(probe, t + h) && !has_end(c, n)) {
         if (keep(self, c, n) < 0)
@@ -261,10 +245,10 @@ split(Parser *self, PyObject *chunk)
         Py_DECREF(events);
         return NULL;
     }
-    char *joined = self->buf;
-    Py_ssize_t jn = self->len;
-    self->buf = NULL;
-    self->len = self->cap = self->size = self->parts = 0;
+    char *joined = self->pending.p;
+    Py_ssize_t jn = self->pending.len;
+    self->pending.p = NULL;
+    self->pending.len = self->pending.cap = self->size = self->parts = 0;
     int r = has_end(joined, jn) ? parse(self, events, joined, jn) : keep(self, joined, jn);
     PyMem_Free(joined);
     if (r < 0)
@@ -421,7 +405,7 @@ Parser_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 Parser_dealloc(Parser *self)
 {
-    PyMem_Free(self->buf);
+    PyMem_Free(self->pending.p);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -509,7 +493,7 @@ static PyTypeObject ParserType = {
 };
 
 static PyObject *
-bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+bind(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2 || !PyExceptionClass_Check(args[0]) || !PyLong_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "bind(error: type[Exception], max_event: int)");
