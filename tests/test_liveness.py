@@ -92,6 +92,13 @@ async def ejections(http: aiohttp.ClientSession, url: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("ftproxy_rank_ejections_total")]
 
 
+async def whole(http: aiohttp.ClientSession, url: str, tokens: int = 3) -> tuple[int, str]:
+    """A non-streamed completion: its status and its body."""
+    body = {"prompt": "hi", "max_tokens": tokens}
+    async with http.post(url + "/v1/completions", json=body) as r:
+        return r.status, await r.text()
+
+
 def stuck(rank: FakeRank, how: str) -> None:
     """Its engine stops: new requests are accepted and never answered; with
     ``stall``, the streams running on it stop too."""
@@ -105,6 +112,49 @@ def unstuck(rank: FakeRank) -> None:
 
 
 # -- passive ejection ----------------------------------------------------
+
+
+async def test_a_hung_rank_that_only_gets_whole_answers_is_probed_and_ejected(
+    fakes, proxy, http
+) -> None:
+    # Whole answers show nothing before their end: past the bound the rank
+    # is a suspect, and its probe unanswered within probe_timeout_s takes it
+    # out (while b answers).
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(settings([a, b], separate=True, liveness=LIVENESS))
+    table: RankTable = p.app[TABLE]
+    stuck(a, "hang")
+    started = time.monotonic()
+    sent: list[asyncio.Task[tuple[int, str]]] = []
+    while table.ranks["a"].ejected is None and time.monotonic() - started < 4.0:
+        sent.append(asyncio.create_task(whole(http, p.url)))
+        await asyncio.sleep(0.05)
+    took = time.monotonic() - started
+    try:
+        ejected = table.ranks["a"].ejected
+        assert ejected is not None and "probe unanswered" in ejected, ejected
+        bound = SILENCE_S + LIVENESS["probe_timeout_s"]
+        assert SILENCE_S <= took < bound + 1.0, took
+        counted = await ejections(http, p.url)
+        assert counted == ['ftproxy_rank_ejections_total{cause="probe",rank="a"} 1.0'], counted
+        unstuck(a)
+        assert await table.wait_for(lambda: table.ranks["a"].routable, 2.0)
+    finally:
+        await cancel(sent)
+
+
+async def test_long_whole_answers_of_a_working_rank_are_no_hang(fakes, proxy, http) -> None:
+    # Each answer takes 1 s, over three bounds, while b answers at once: a
+    # is probed (a 1-token completion, answered in one step) and stays in.
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(settings([a, b], separate=True, liveness=LIVENESS))
+    table: RankTable = p.app[TABLE]
+    a.token_delay_s = 0.02
+    answers = await asyncio.gather(*(whole(http, p.url, tokens=50) for _ in range(8)))
+    assert [code for code, _ in answers] == [200] * 8
+    assert table.ranks["a"].ejected is None and table.ranks["a"].routable
+    assert await ejections(http, p.url) == []
+    assert any(r.get("max_tokens") == 1 for r in a.received), "a was never probed"
 
 
 @pytest.mark.parametrize(("how", "cause"), [("hang", "first_byte"), ("stall", "stalled")])

@@ -142,6 +142,9 @@ class Liveness:
     # (the streams themselves may change: clients that give up and others
     # that come keep the silence going).
     _quiet: dict[str, float] = field(default_factory=dict)
+    # rank: the stall its whole answers show, while a probe asks its engine
+    # whether it works (whole answers show nothing before their end).
+    _suspects: dict[str, Stall] = field(default_factory=dict)
 
     def sent(self, rank: str, size: int, judged: bool) -> Ticket:
         """A request goes to ``rank``; ``judged``: a stream was asked for."""
@@ -168,7 +171,15 @@ class Liveness:
     def check(self, now: float | None = None) -> None:
         """Eject each rank silent past its bound while another answers."""
         at = time.monotonic() if now is None else now
-        for kept in (self._tickets, self._progress, self.prompt, self._probed, self._quiet):
+        kept_by_rank = (
+            self._tickets,
+            self._progress,
+            self.prompt,
+            self._probed,
+            self._quiet,
+            self._suspects,
+        )
+        for kept in kept_by_rank:
             for name in [n for n in kept if n not in self.table.ranks]:
                 del kept[name]  # gone in a reload
         for rank in list(self.table):
@@ -186,6 +197,7 @@ class Liveness:
                 continue
             stall = self._stall(rank.name, tickets, at)
             if stall is None:
+                self._suspect(rank.name, tickets, at)
                 continue
             peer = self._answering_peer(rank.name, at - stall.bound_s)  # within its bound
             if peer is not None:
@@ -220,6 +232,21 @@ class Liveness:
         cause = "stalled" if any(t.first for t in judged) else "first_byte"
         return Stall(now - last, bound, cause, len(judged))
 
+    def _suspect(self, name: str, tickets: list[Ticket], now: float) -> None:
+        """Whole answers only: the oldest waiting past the rank's bound with
+        no progress on the rank since makes it a suspect, probed at once. A
+        long generation is no hang: an engine that works answers a 1-token
+        probe in its next steps, however long its other requests run."""
+        waiting = [t.last for t in tickets if not t.judged and not t.excused and not t.first]
+        if not waiting:
+            self._suspects.pop(name, None)
+            return
+        bound = self.allowance(sum(t.size for t in tickets if not t.first))
+        last = max(min(waiting), self._progress.get(name, 0.0))
+        if now - last > bound and name not in self._suspects:
+            self._suspects[name] = Stall(now - last, bound, "probe", len(waiting))
+            self._probed.pop(name, None)  # due now
+
     def _answering_peer(self, name: str, since: float) -> str | None:
         """A rank that answered promptly since ``since`` and serves a model
         ``name`` serves: another model's first bytes say nothing of this
@@ -240,11 +267,11 @@ class Liveness:
         )
 
     def _eject(self, rank: Rank, stall: Stall, peer: str) -> None:
-        what = (
-            f"no first byte on {stall.requests} stream(s)"
-            if stall.cause == "first_byte"
-            else f"{stall.requests} stream(s) without progress"
-        )
+        what = {
+            "first_byte": f"no first byte on {stall.requests} stream(s)",
+            "stalled": f"{stall.requests} stream(s) without progress",
+            "probe": f"{stall.requests} whole answer(s) and a probe unanswered",
+        }[stall.cause]
         reason = (
             f"ejected: {what} for {stall.quiet_s:.1f}s (bound {stall.bound_s:.1f}s) "
             f"while rank {peer} answers"
@@ -284,7 +311,7 @@ class Liveness:
         due = [
             r
             for r in self.table
-            if r.ejected is not None
+            if (r.ejected is not None or r.name in self._suspects)
             and r.name not in self._probing
             and now - self._probed.get(r.name, 0.0) >= self.cfg.probe_interval_s
         ]
@@ -293,7 +320,9 @@ class Liveness:
         return due
 
     async def _probe(self, upstream: Upstream, bound: Bound, rank: Rank) -> None:
-        """One 1-token completion; answered 200 in time, the rank is back."""
+        """One 1-token completion: answered 200 in time, an ejected rank is
+        back and a suspect cleared; else a suspect is ejected, if a peer
+        serving its models answers promptly."""
         body: dict[str, object] = {"prompt": "ping", "max_tokens": 1, "stream": False}
         if rank.models:
             body["model"] = min(rank.models)  # any model it serves; the same each time
@@ -301,11 +330,25 @@ class Liveness:
         try:
             answer = await upstream.post_json(rank.url, PROBE_PATH, body, bound)
         except RankError as e:
-            log.info("probe of ejected rank %s: no answer (%s)", rank.name, e)
+            log.info("probe of rank %s: no answer (%s)", rank.name, e)
+            self._unanswered(rank)
             return
         finally:
             self._probing.discard(rank.name)
         if answer.status != 200:
-            log.info("probe of ejected rank %s: HTTP %d", rank.name, answer.status)
+            log.info("probe of rank %s: HTTP %d", rank.name, answer.status)
+            if answer.status >= 500:
+                self._unanswered(rank)
         elif self.table.ranks.get(rank.name) is rank:
+            self._suspects.pop(rank.name, None)
+            self.progress(rank.name, time.monotonic())  # readmits an ejected rank
             self._readmit(rank.name, "a probe was answered")
+
+    def _unanswered(self, rank: Rank) -> None:
+        """A suspect's probe failed too: out, while a peer answers."""
+        stall = self._suspects.pop(rank.name, None)
+        if stall is None or self.table.ranks.get(rank.name) is not rank:
+            return
+        peer = self._answering_peer(rank.name, time.monotonic() - stall.bound_s)
+        if peer is not None:
+            self._eject(rank, stall, peer)

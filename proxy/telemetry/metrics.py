@@ -131,7 +131,8 @@ class Metrics:
         )
         self.ejections = counter(
             "ftproxy_rank_ejections",
-            "Ranks taken out of rotation while reporting healthy, by cause (first_byte, stalled)",
+            "Ranks taken out of rotation while reporting healthy, by cause "
+            "(first_byte, stalled, probe)",
             "rank",
             "cause",
         )
