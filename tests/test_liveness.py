@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import io
 import time
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -28,10 +28,13 @@ from proxy.admin_cli import rank_table
 from proxy.control.healthmetric import Junk, samples
 from proxy.control.liveness import Liveness
 from proxy.control.ranks import RankStatus, RankTable, Source
+from proxy.core.errors import ConnectFailed, RankError
 from proxy.core.settings import Settings
 from proxy.dataplane.relay import Attempt, Relay
 from proxy.ingress.state import TABLE
 from proxy.telemetry.metrics import Metrics
+from proxy.upstream import Upstream
+from proxy.upstream.bounded import Answer, Bound
 from tests.conftest import FAST_POLL_S, until
 from tests.fakes import FakeRank
 from tests.test_engines import AUTH, settings
@@ -623,3 +626,54 @@ async def test_an_ejected_rank_that_needs_an_api_key_is_probed_back(fakes, proxy
     assert table.ranks["a"].ejected is not None
     unstuck(a)
     assert await table.wait_for(lambda: table.ranks["a"].routable, 1.0)
+
+
+PROBE_BOUND = Bound("probe", 1024, 1.0, None)
+
+
+class _ProbeAnswers:
+    """An upstream whose probe answers are given: a status, or a RankError."""
+
+    def __init__(self, *answers: int | RankError) -> None:
+        self.answers, self.asked = list(answers), 0
+
+    async def post_json(self, url: str, path: str, body: Any, bound: Any) -> Answer:
+        self.asked += 1
+        got = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(got, RankError):
+            raise got
+        return Answer(got, b"{}")
+
+
+async def test_a_suspect_probed_4xx_whose_answers_end_is_no_suspect_any_more() -> None:
+    # A chat-only model answers the probe's /v1/completions 404: the probe
+    # says nothing of the engine. Once its whole answers end (a long one
+    # answered at last) there is nothing to suspect: it is probed no more,
+    # and a later probe that fails (a brief restart) does not eject it on
+    # the old stall.
+    table, live = two_ranks()
+    t = live.sent("a", 100, judged=False)
+    now = time.monotonic()
+    live.check(now + 5.0)
+    assert live._due() == [table.ranks["a"]]  # a suspect: probed at once
+    await live._probe(cast(Upstream, _ProbeAnswers(404)), PROBE_BOUND, table.ranks["a"])
+    t.heard()  # its answer came, after all: a works
+    t.answered(None)
+    live.check(time.monotonic())
+    live._probed.clear()
+    assert live._due() == [], "a rank with nothing waiting on it is probed on and on"
+
+
+async def test_a_suspect_whose_probe_fails_with_no_peer_is_not_probed_every_tick() -> None:
+    # No peer answers, so a failed probe ejects nothing; the next probe
+    # still waits probe_interval_s (not one per liveness tick).
+    table, live = two_ranks()
+    live.sent("a", 100, judged=False)
+    now = time.monotonic()
+    live.check(now + 5.0)
+    assert live._due() == [table.ranks["a"]]
+    up = _ProbeAnswers(ConnectFailed("refused"))
+    await live._probe(cast(Upstream, up), PROBE_BOUND, table.ranks["a"])
+    assert table.ranks["a"].routable  # no peer answers: kept
+    live.check(now + 5.05)  # the next tick, well within probe_interval_s
+    assert live._due() == [], "probed again at the next tick"

@@ -190,10 +190,15 @@ class Liveness:
                 # and its re-prefill, and that time is the fault's.
                 self._progress[rank.name] = at
                 self._quiet.pop(rank.name, None)
+                self._suspects.pop(rank.name, None)  # its own probes bring it back
                 continue
             tickets = self._live(rank.name)
             if not tickets:
+                # Nothing waits on it: nothing to suspect (a suspect kept
+                # was probed on and on, and a later failed probe ejected it
+                # on a stall long over).
                 self._quiet.pop(rank.name, None)
+                self._suspects.pop(rank.name, None)
                 continue
             stall = self._stall(rank.name, tickets, at)
             if stall is None:
@@ -245,7 +250,11 @@ class Liveness:
         last = max(min(waiting), self._progress.get(name, 0.0))
         if now - last > bound and name not in self._suspects:
             self._suspects[name] = Stall(now - last, bound, "probe", len(waiting))
-            self._probed.pop(name, None)  # due now
+            if self._probed.get(name, 0.0) < last:
+                # Due now, unless it was probed in this wait already: a
+                # failed probe with no peer answering ejects nothing, and
+                # the next waits probe_interval_s, not one per tick.
+                self._probed.pop(name, None)
 
     def _answering_peer(self, name: str, since: float) -> str | None:
         """A rank that answered promptly since ``since`` and serves a model
