@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from proxy.control.ranks import RankStatus, Source
+from proxy.dataplane.relay import Queue, Relay
 from proxy.ingress.state import TABLE
 from tests.test_engines import settings
 
@@ -185,3 +187,28 @@ async def test_the_ranks_key_replaces_the_clients_and_reaches_every_call(
     table = p.app[TABLE]
     assert await table.wait_for(lambda: len(a.applies) == 1 and table.ranks["a"].routable, 3.0)
     assert a.applies[0]["request_id"]
+
+
+async def test_a_rank_whose_poll_catches_up_during_the_wait_after_503s_is_waited_for(
+    fakes, proxy, http, monkeypatch
+) -> None:
+    # After its second 503 the request waits before taking the rank again;
+    # if its poll meanwhile says faulted (what the wait is for), the request
+    # waits on in the queue for its recovery, as any request during a fault
+    # does: not an error at once.
+    a = await fakes(name="a", shape="vllm-v1", reports_fault=False)
+    p = await proxy(settings([a], timeouts={"queue_s": 5.0}))
+    table = p.app[TABLE]
+    waited = Relay._back_off
+
+    async def caught_up(self: Relay, refusals: int, queue: Queue) -> None:
+        await waited(self, refusals, queue)
+        if refusals >= 2 and not a.reports_fault:
+            a.reports_fault = True  # its polls say faulted from now on
+            table.observe("a", None, Source.POLL, reachable=True, status=RankStatus.UNHEALTHY)
+            asyncio.get_running_loop().call_later(0.3, a.recover)
+
+    monkeypatch.setattr(Relay, "_back_off", caught_up)
+    a.fault()
+    async with http.post(p.url + "/v1/completions", json={"prompt": "x"}) as r:
+        assert r.status == 200, await r.text()

@@ -376,7 +376,13 @@ class Relay:
         if (other := self._choose(serving, tried, out)) is not None:
             return other
         await self._back_off(refusals, queue)
-        return self._choose(self.table.serving(model), frozenset(), out)
+        if (again := self._choose(self.table.serving(model), frozenset(), out)) is not None:
+            return again
+        # Its poll caught up during the wait (what the wait is for): it is
+        # out now, so wait on for its recovery as a new request does.
+        await self._queue(queue, model, failures)
+        serving = self.table.serving(model)
+        return self._choose(serving, tried, out) or self._choose(serving, frozenset(), out)
 
     def _learn(self, rank: Rank, out: Outbound, status: int) -> None:
         """A rank that took a prompt has it cached now (cache-aware routing)."""
