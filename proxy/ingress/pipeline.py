@@ -106,22 +106,27 @@ class Pipeline:
         well. Every error an answer in the OpenAI shape. (One coroutine for
         both steps: each layer of awaits costs every request.)"""
         entry = req.reply.entry = self.drain.enter()
+        # Nested (a try block costs no await layer): a cut that lands while
+        # an error is being answered is ended as a cut too.
         try:
-            await self._admitted(req, found)
-        except ProxyError as err:
-            await self._refused(req, err)
-        except ConnectionResetError:
-            raise  # the client left: nothing to answer (counted in serve)
+            try:
+                await self._admitted(req, found)
+            except ProxyError as err:
+                await self._refused(req, err)
+            except ConnectionResetError:
+                raise  # the client left: nothing to answer (counted in serve)
+            except Exception:
+                # A bug of ours: never a text/plain 500, never a traceback to the client.
+                log.exception(
+                    "[%s] %s %s -> 500 internal error", req.request_id, req.method, req.path
+                )
+                self.metrics.internal_errors.inc()
+                bug = ProxyError("internal error; see the proxy log for this request id")
+                await _answer_or_cut(req, error_answer(bug))
         except asyncio.CancelledError:
             if not entry.cut:
                 raise  # the client went away, or the server is cancelling
             await self._end_cut(req, entry)
-        except Exception:
-            # A bug of ours: never a text/plain 500, never a traceback to the client.
-            log.exception("[%s] %s %s -> 500 internal error", req.request_id, req.method, req.path)
-            self.metrics.internal_errors.inc()
-            bug = ProxyError("internal error; see the proxy log for this request id")
-            await _answer_or_cut(req, error_answer(bug))
         finally:
             self.drain.leave(entry)
 
