@@ -20,7 +20,8 @@ groups:
     "extra",
     ['api_keys: [""]', 'api_keys: ["  "]', 'api_keys: ["sk-1", ""]', 'api_keys: ["a b"]',
      'admin: {token: ""}', 'admin: {token: " \\t"}', 'admin: {metrics_token: ""}',
-     "admin: {metrics_use_admin_token: true}"],
+     "admin: {metrics_use_admin_token: true}", 'upstream_api_key: ""',
+     'upstream_api_key: "a b"', 'upstream_api_key: "cl\u00e9"'],
 )  # fmt: skip
 def test_blank_secrets_refused_at_load(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str
@@ -29,7 +30,7 @@ def test_blank_secrets_refused_at_load(
     config.write_text(RANKS + extra + "\n")
     assert main(["serve", "--config", str(config)]) == EXIT_CONFIG == 2
     err = capsys.readouterr().err
-    assert "invalid configuration" in err and ("api_keys" in err or "admin" in err)
+    assert "invalid configuration" in err and ("api_key" in err or "admin" in err)
 
 
 async def test_client_request_ids_are_checked(fakes, proxy, http) -> None:

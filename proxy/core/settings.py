@@ -363,6 +363,9 @@ class Settings(BaseSettings):
     @field_validator("upstream_api_key")
     @classmethod
     def _usable_rank_key(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().isascii():
+            # Sent as UTF-8, read by the rank's server as latin-1: never its key.
+            raise ValueError("must be ASCII")
         return _usable_secret(v)
 
     @field_validator("api_keys")
