@@ -33,7 +33,7 @@ from enum import StrEnum
 from typing import Any
 
 from proxy.control import engines
-from proxy.control.ranks import Rank, RankStatus, RankTable
+from proxy.control.ranks import Rank, RankStatus, RankTable, Source
 from proxy.core.errors import ProxyError, RankError, RoundInProgress
 from proxy.core.retry import RetryPolicy
 from proxy.core.settings import Settings
@@ -42,6 +42,14 @@ from proxy.upstream import Upstream
 from proxy.upstream.bounded import Bound
 
 log = logging.getLogger("ftproxy.recovery")
+
+
+def ft_unhealthy(rank: Rank) -> bool:
+    """Unhealthy by the engine's own FT status, the precondition of a round.
+    The gauge's 0 alone (vllm:engine_healthy, proxy.control.healthmetric)
+    cannot tell dead or a round in progress from unhealthy: read before the
+    poll, it would have a retry sent to a dead rank."""
+    return rank.status == RankStatus.UNHEALTHY and rank.source != Source.METRICS
 
 
 class Outcome(StrEnum):
@@ -255,7 +263,7 @@ class Recovery:
             return False
 
         def settled() -> bool:
-            return all(r.status == RankStatus.UNHEALTHY for r in ranks) or any(
+            return all(ft_unhealthy(r) for r in ranks) or any(
                 r.status == RankStatus.DEAD for r in ranks
             )
 
@@ -275,7 +283,7 @@ class Recovery:
         if blocked:
             report.outcome, report.message = Outcome.RESTART_NEEDED, "; ".join(blocked)
             return False
-        laggards = [f"{r.name} is {r.status}" for r in ranks if r.status != RankStatus.UNHEALTHY]
+        laggards = [f"{r.name} is {r.status}" for r in ranks if not ft_unhealthy(r)]
         if laggards:
             report.outcome = Outcome.NOT_UNHEALTHY
             report.message = (
@@ -416,7 +424,7 @@ class AutoRecovery:
 
     def _all_unhealthy(self, name: str) -> bool:
         ranks = self.table.group(name)
-        return bool(ranks) and all(r.status == RankStatus.UNHEALTHY for r in ranks)
+        return bool(ranks) and all(ft_unhealthy(r) for r in ranks)
 
     def _decide(self, group: str, decision: Decision, why: str) -> None:
         self.metrics.auto_recovery.labels(group, decision).inc()
