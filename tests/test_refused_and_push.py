@@ -95,3 +95,40 @@ def test_protocol_round_trip_and_rejects() -> None:
     assert protocol.decode([b"other", frames[1]]) is None
     assert protocol.decode([protocol.TOPIC, b"{bad"]) is None
     assert protocol.decode([protocol.TOPIC, b'{"v": 99, "engines": []}']) is None
+
+
+async def test_a_push_read_late_is_dated_when_it_was_published(pub) -> None:
+    # A heartbeat published before the fault, read after a poll that saw the
+    # fault (the loop was busy): its "healthy" is the older word and must not
+    # bring the faulted rank back. One stamped in the future (another clock)
+    # is dated when read, as before.
+    sock, address = pub
+    settings = Settings(groups=[{"name": "g", "ranks": [
+        {"name": "r", "url": "http://127.0.0.1:1", "status_feed": address}]}])  # fmt: skip
+    table = RankTable(settings.groups)
+    task = asyncio.create_task(PushFeed(table, Timeouts(), Metrics(table)).run())
+    seq = 0
+
+    async def send(status: str, ts: float) -> None:
+        nonlocal seq
+        seq += 1
+        engines = [{"id": 0, "status": status}]
+        sock.send_multipart(protocol.encode("status", "boot", seq, ts, engines))
+
+    table.observe("r", None, "poll", reachable=True, status="unknown")
+    try:
+        rank = table.ranks["r"]
+        for _ in range(50):  # PUB drops messages until the subscriber has joined
+            await send(RankStatus.HEALTHY, time.time())
+            if await table.wait_for(lambda: rank.routable, 0.05):
+                break
+        assert rank.routable
+        table.observe("r", None, "poll", reachable=True, status="unhealthy")
+        await send(RankStatus.HEALTHY, time.time() - 1.0)  # published a second ago
+        await asyncio.sleep(0.3)
+        assert rank.status == "unhealthy" and not rank.routable
+        await send(RankStatus.HEALTHY, time.time() + 60.0)  # another clock: read time
+        assert await table.wait_for(lambda: rank.routable, 1.0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

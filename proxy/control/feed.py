@@ -204,6 +204,26 @@ def _json_or_none(answer: Answer) -> Any:
         return None
 
 
+# A push stamped this much before it was read at most is dated by its stamp.
+MAX_PUSH_AGE_S = 5.0
+
+
+def _published_at(ts: object, now: float) -> float | None:
+    """When a push was published, on the monotonic clock; None: when read.
+    A heartbeat published before a fault but read after a poll that saw it
+    (the loop busy, the socket's queue) is older than that poll's answer:
+    dated when read, its "healthy" won and routed requests into the faulted
+    group. The publisher's clock is the proxy's on one host and close under
+    NTP; a stamp in the future or over MAX_PUSH_AGE_S old says the clocks
+    differ, and the read time stands."""
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        return None
+    age = now - float(ts)
+    if not 0.0 <= age <= MAX_PUSH_AGE_S:
+        return None
+    return time.monotonic() - age
+
+
 class PushFeed:
     """One ZMQ subscriber per rank with a ``status_feed`` address."""
 
@@ -267,9 +287,10 @@ class PushFeed:
             # Same clock when publisher and proxy share a host; else indicative.
             rank.push_delay_s = now - float(ts)
             self.metrics.push_delay.observe(max(rank.push_delay_s, 0.0))
-        # Observation time is our receive time: the publisher's clock may
-        # differ, and a push is never older than the poll answer before it.
-        self.table.observe(name, None, Source.PUSH, reachable=True, status=status, detail=detail)
+        observed = _published_at(ts, now)
+        self.table.observe(
+            name, observed, Source.PUSH, reachable=True, status=status, detail=detail
+        )
 
     def _silent(self, name: str, silence_s: float) -> None:
         rank = self.table.ranks.get(name)
