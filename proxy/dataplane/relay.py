@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -145,9 +146,7 @@ def _after(failures: list[str]) -> str:
 def _said(failures: list[str]) -> str:
     """The failures once each, with their counts: a rank refusing through a
     long wait would otherwise make a message of kilobytes."""
-    counts = dict.fromkeys(failures, 0)
-    for f in failures:
-        counts[f] += 1
+    counts = Counter(failures)  # in the order first seen
     return "; ".join(f if n == 1 else f"{f} x{n}" for f, n in counts.items())
 
 
