@@ -24,14 +24,8 @@ class SmoothWeightedBalancer:
         candidates = [r for r in ranks if r.routable and r.name not in exclude]
         if not candidates:
             return None
-        total = 0
-        best: Rank | None = None
         for r in candidates:
-            score = self._score.get(r.name, 0) + r.weight
-            self._score[r.name] = score
-            total += r.weight
-            if best is None or score > self._score[best.name]:
-                best = r
-        assert best is not None
-        self._score[best.name] -= total
+            self._score[r.name] = self._score.get(r.name, 0) + r.weight
+        best = max(candidates, key=lambda r: self._score[r.name])  # the first of equals
+        self._score[best.name] -= sum(r.weight for r in candidates)
         return best

@@ -11,6 +11,7 @@ see ``Rank.serves``): fetched once a rank is reachable, then every
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -34,17 +35,13 @@ async def gather(upstream: Upstream, table: RankTable, bound: Bound) -> dict[str
     results = await asyncio.gather(
         *(_fetch(upstream, r, bound) for r in ranks), return_exceptions=True
     )
-    seen: dict[str, Any] = {}
-    answered = False
-    for result in results:
-        if isinstance(result, BaseException):
-            continue
-        answered = True
-        for model in result:
-            if isinstance(model, dict) and "id" in model:
-                seen.setdefault(str(model["id"]), model)
+    answered = [result for result in results if not isinstance(result, BaseException)]
     if not answered:
         raise NoHealthyRank("no healthy rank answered the model list", retry_after_s=1)
+    seen: dict[str, Any] = {}
+    for model in itertools.chain.from_iterable(answered):
+        if isinstance(model, dict) and "id" in model:
+            seen.setdefault(str(model["id"]), model)
     return {"object": "list", "data": list(seen.values())}
 
 

@@ -297,19 +297,17 @@ class RankTable:
     def eject(self, name: str, reason: str) -> bool:
         """Take a rank that says healthy out of rotation; False if it is gone
         or out already."""
-        rank = self.ranks.get(name)
-        if rank is None or rank.ejected is not None:
-            return False
-        rank.ejected = reason
-        self.notify()
-        return True
+        return self._set_ejected(name, reason)
 
     def readmit(self, name: str) -> bool:
         """Put an ejected rank back; False if it was not ejected."""
+        return self._set_ejected(name, None)
+
+    def _set_ejected(self, name: str, reason: str | None) -> bool:
         rank = self.ranks.get(name)
-        if rank is None or rank.ejected is None:
+        if rank is None or (rank.ejected is None) == (reason is None):
             return False
-        rank.ejected = None
+        rank.ejected = reason
         self.notify()
         return True
 

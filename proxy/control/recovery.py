@@ -36,7 +36,7 @@ from proxy.control import engines
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
 from proxy.core.errors import ProxyError, RankError, RoundInProgress
 from proxy.core.retry import RetryPolicy
-from proxy.core.settings import Settings
+from proxy.core.settings import AutoRecoveryConfig, Settings
 from proxy.telemetry.metrics import Metrics
 from proxy.upstream import Upstream
 from proxy.upstream.bounded import Bound
@@ -359,26 +359,21 @@ class AutoRecovery:
     def __init__(
         self,
         recovery: Recovery,
-        gate: Callable[[str], Awaitable[None]] | None = None,
-        start: Callable[[RoundSpec, str], Awaitable[RoundReport]] | None = None,
-        wait_idle: Callable[[str], Awaitable[None]] | None = None,
+        gate: Callable[[str], Awaitable[None]],
+        start: Callable[[RoundSpec, str], Awaitable[RoundReport]],
+        wait_idle: Callable[[str], Awaitable[None]],
     ) -> None:
-        self.recovery = recovery
-        self.table = recovery.table
-        self.metrics = recovery.metrics
+        self.recovery, self.table, self.metrics = recovery, recovery.table, recovery.metrics
         # gate(group): returns once this process may start the group's rounds
-        # (it leads the group);
-        # start / wait_idle: a shared round store's, when there is one.
-        self.gate = gate
-        self.start = start or recovery.run
-        self.wait_idle = wait_idle or recovery.wait_idle
+        # (it leads the group); start / wait_idle: the coordination's, which
+        # runs rounds here or in a shared round store.
+        self.gate, self.start, self.wait_idle = gate, start, wait_idle
 
     async def run(self) -> None:
         groups = [g for g in self.recovery.settings.groups if g.auto_recovery.enabled]
-        await asyncio.gather(*(self._watch_group(g.name) for g in groups))
+        await asyncio.gather(*(self._watch_group(g.name, g.auto_recovery) for g in groups))
 
-    async def _watch_group(self, name: str) -> None:
-        cfg = next(g for g in self.recovery.settings.groups if g.name == name).auto_recovery
+    async def _watch_group(self, name: str, cfg: AutoRecoveryConfig) -> None:
         # Not Attempts: a round another caller owns is no attempt of ours,
         # and a recovered group starts over from the grace period.
         backoff = RetryPolicy(base_s=cfg.backoff_s)
@@ -394,8 +389,7 @@ class AutoRecovery:
                 continue
             delay = cfg.grace_s if attempts == 0 else backoff.delay(attempts)
             await asyncio.sleep(delay)
-            if self.gate is not None:
-                await self.gate(name)  # leadership may have moved during the grace
+            await self.gate(name)  # leadership may have moved during the grace
             if not self._all_unhealthy(name):
                 self._decide(name, Decision.SKIPPED, "the group changed during the grace period")
                 continue

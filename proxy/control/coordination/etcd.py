@@ -56,7 +56,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import asdict, fields
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -112,7 +112,6 @@ class Etcd(Coordination):
         self._leader.clear()
         self.cfg = cfg
         self.client = Client(cfg)
-        self.junk = self.client.junk
         self.restarts: Counter | None = None  # the app's, once attached
         self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         # One leader key per group, all on this process's lease. A group asked
@@ -160,13 +159,27 @@ class Etcd(Coordination):
         try:
             value = parse_json(stored.value)
         except ValueError as e:
-            self.junk.skip("value", where, f"not JSON: {e}")
+            self.client.junk.skip("value", where, f"not JSON: {e}")
             return None
         checked = shape(value)
         if checked is None:
             seen = f"{str(value)[:60]!r}" if stored.value.strip() else "empty"
-            self.junk.skip("value", where, f"not a {shape.__name__.strip('_')}: {seen}")
+            self.client.junk.skip("value", where, f"not a {shape.__name__.strip('_')}: {seen}")
         return checked
+
+    async def _values(self, kind: str, shape: Callable[[Any], T | None]) -> dict[str, T]:
+        """Every value under ``kind/`` of its ``shape``, by the rest of its key."""
+        at = self._key(kind) + "/"
+        found = await self.client.get_prefix(at)
+        values = {k[len(at) :]: self._read(k, stored, shape) for k, stored in found.items()}
+        return {name: value for name, value in values.items() if value is not None}
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A task of this process's, cancelled at close."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- lease and leadership -----------------------------------------------------
     def is_leader(self, group: str | None = None) -> bool:
@@ -212,9 +225,7 @@ class Etcd(Coordination):
         """(Re)start the watcher: one task, supervised."""
         if self._watcher is not None:
             self._watcher.cancel()
-        self._watcher = asyncio.create_task(supervised("etcd-watch", self._watch, self.restarts))
-        self._tasks.add(self._watcher)
-        self._watcher.add_done_callback(self._tasks.discard)
+        self._watcher = self._spawn(supervised("etcd-watch", self._watch, self.restarts))
 
     def seen(self, what: str) -> int:
         return self._seq[what]
@@ -338,9 +349,7 @@ class Etcd(Coordination):
 
     async def _members(self) -> set[str]:
         """Every live process (this one's key written first if it is missing)."""
-        at = self._key("members") + "/"
-        found = await self.client.get_prefix(at)
-        members = {k[len(at) :] for k, stored in found.items() if self._read(k, stored, _true)}
+        members = set(await self._values("members", _true))
         if self.me not in members:
             await self.client.put(self._key("members", self.me), True, self.lease)
             members.add(self.me)
@@ -481,9 +490,7 @@ class Etcd(Coordination):
             self.me,
             ": watching only, it was sent" if sent else "",
         )
-        task = asyncio.create_task(self._drive(key, {**record, "owner": self.me}, sent))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._drive(key, {**record, "owner": self.me}, sent))
 
     async def wait_round_idle(self, group: str) -> None:
         key = self._key("rounds", group)
@@ -510,20 +517,15 @@ class Etcd(Coordination):
         return True
 
     async def weights(self) -> dict[str, int] | None:
-        prefix = self._key("weights") + "/"
-        found = await self.client.get_prefix(prefix)
-        weights = {k[len(prefix) :]: self._read(k, stored, _weight) for k, stored in found.items()}
-        return {rank: weight for rank, weight in weights.items() if weight is not None}
+        return await self._values("weights", _weight)
 
     async def set_removed(self, rank: str) -> bool:
         await self.client.put(self._key("removed", rank), True)
         return True
 
     async def removed(self) -> set[str] | None:
-        prefix = self._key("removed") + "/"
-        found = await self.client.get_prefix(prefix)
         # A rank once removed never comes back: only the value written means it.
-        return {k[len(prefix) :] for k, stored in found.items() if self._read(k, stored, _true)}
+        return set(await self._values("removed", _true))
 
 
 def _listed(record: dict[str, Any], driver: str | None) -> dict[str, Any]:

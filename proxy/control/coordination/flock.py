@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import json
@@ -11,12 +10,14 @@ import os
 from pathlib import Path
 
 from proxy.control.coordination import Coordination
+from proxy.core.retry import RetryPolicy
 
 log = logging.getLogger("ftproxy.coordination")
 
 # How often a follower tries the lock; a dead leader's successor takes over
 # within this (the kernel frees the lock when the holder's process ends).
 TRY_EVERY_S = 0.2
+TRY_LOCK = RetryPolicy(base_s=TRY_EVERY_S, cap_s=TRY_EVERY_S)
 
 
 class FlockFile(Coordination):
@@ -65,11 +66,10 @@ class FlockFile(Coordination):
     async def run(self) -> None:
         fd = os.open(self.run_dir / "leader.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            while True:
+            async for _ in TRY_LOCK.attempts():
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    await asyncio.sleep(TRY_EVERY_S)
                     continue
                 # Held until this process ends: leadership is never handed
                 # over while this process could still be running a round.

@@ -134,9 +134,9 @@ def _entry(kv: Any) -> tuple[str, Stored]:
 class Client:
     """The etcd v3 gateway calls the proxy needs."""
 
-    def __init__(self, cfg: EtcdConfig, junk: Junk | None = None) -> None:
+    def __init__(self, cfg: EtcdConfig) -> None:
         self.cfg = cfg
-        self.junk = junk or Junk()
+        self.junk = Junk()
         self.bound = Bound("etcd", cfg.max_answer_bytes, cfg.timeout_s)
         self._client: RankClient | None = None
         self._token: str | None = None
