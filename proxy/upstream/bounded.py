@@ -22,7 +22,6 @@ over the bound, :class:`~proxy.core.errors.RankTimeout` past a call's deadline,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json as jsonlib
 import logging
 import time
@@ -173,24 +172,6 @@ async def read_body(resp: RankResponse, bound: Bound, url: str) -> bytes:
         return await resp.read(bound.max_bytes)
     except BodyTooLarge as e:
         raise bound.refuse(url, f"over {bound.max_bytes} bytes sent") from e
-
-
-@contextlib.asynccontextmanager
-async def stream(
-    client: RankClient,
-    url: str,
-    bound: Bound,
-    body: bytes,
-    headers: MultiMapping[str],
-) -> AsyncIterator[RankResponse]:
-    """A POST whose answer is a stream meant to stay open: its head must be in
-    within ``bound.within_s``; read it with :func:`lines`. Closed on exit."""
-    async with asyncio.timeout(bound.within_s):
-        resp = await send(client, "POST", url, headers, body)
-    try:
-        yield resp
-    finally:
-        resp.close()
 
 
 async def lines(r: RankResponse, bound: Bound, url: str) -> AsyncIterator[bytes]:

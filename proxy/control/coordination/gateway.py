@@ -18,6 +18,7 @@ timeouts, an answer over its bound, not JSON or not of its shape, HTTP errors).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -34,12 +35,11 @@ from prometheus_client import Counter
 
 from proxy.core.errors import EtcdError, RankError
 from proxy.core.settings import EtcdConfig
-from proxy.upstream.bounded import Bound, fetch, lines, parse_json, read_body, stream
+from proxy.upstream.bounded import LOG_EVERY_S, Bound, fetch, lines, parse_json, read_body, send
 from proxy.upstream.client import RankClient
 
 log = logging.getLogger("ftproxy.coordination")
 
-LOG_EVERY_S = 60.0
 _INT = re.compile(r"-?[0-9]{1,20}")  # int64 fields: JSON strings in the gateway's mapping
 # Idle connections to etcd are closed after this long.
 _IDLE_S = 15.0
@@ -228,9 +228,11 @@ class Client:
             try:
                 headers = _headers(await self._auth(endpoint))
                 url = endpoint + "/v3/watch"
+                async with asyncio.timeout(self.bound.within_s):  # its head; then lines()
+                    r = await send(client, "POST", url, headers, body)
                 # The stream idles between changes; a dead etcd closes it, and
                 # the lease ticks notice it meanwhile.
-                async with stream(client, url, self.bound, body, headers) as r:
+                try:
                     if r.status != 200:
                         answer = await read_body(r, self.bound, url)
                         raise EtcdError(f"etcd /v3/watch: HTTP {r.status}: {answer[:200]!r}")
@@ -239,6 +241,8 @@ class Client:
                         keys = self._watched(line) if line.strip() else []
                         if keys != []:  # [] : a message that changed nothing
                             yield keys
+                finally:
+                    r.close()
                 last = EtcdError("etcd closed the watch")
             except _FAILURES as e:
                 last = e

@@ -17,10 +17,9 @@ from typing import Any
 
 from proxy.control.ranks import Rank, RankStatus
 
-__all__ = ["AUTO", "HEALTH_ONLY", "Engine", "RankStatus", "by_name", "lacks", "of", "summarize"]
+__all__ = ["HEALTH_ONLY", "Engine", "RankStatus", "by_name", "lacks", "of", "summarize"]
 
 MAX_STATUS = 64  # characters of a status kept: the engines' are single words
-AUTO = "auto"
 
 
 def word(entry: dict[str, Any]) -> RankStatus | str:
