@@ -205,11 +205,8 @@ class RankTable:
             rank = self.ranks.get(name)
             dp_rank = cfg.dp_rank if cfg.dp_rank is not None else index
             engine = engines[group]
-            if rank is None or (rank.url, rank.status_feed, rank.engine) != (
-                cfg.url,
-                cfg.status_feed,
-                engine,
-            ):
+            wanted_as = (cfg.url, cfg.status_feed, engine)
+            if rank is None or (rank.url, rank.status_feed, rank.engine) != wanted_as:
                 diff["added" if rank is None else "changed"].append(name)
                 rank = Rank(name, cfg.url, group, cfg.weight, cfg.status_feed, engine=engine)
                 rank.api = "" if engine == "auto" else engine

@@ -152,7 +152,6 @@ class Recovery:
         self._answers = Bound("recovery", limit, within_s, metrics.too_large)
 
     def active(self, group: str) -> ActiveRound | None:
-        """The round running for the group now, if any."""
         current = self._rounds.get(group)
         return current if current is not None and not current.task.done() else None
 

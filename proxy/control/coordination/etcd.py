@@ -404,7 +404,9 @@ class Etcd(Coordination):
                 return await self._await_done(key, record["round_id"])
             round_id = uuid.uuid4().hex
             fresh = {
-                **_record(spec, round_id, trigger),
+                **asdict(spec),
+                "round_id": round_id,
+                "trigger": trigger,
                 "state": RoundState.WAITING,
                 "owner": self.me,
             }
@@ -595,10 +597,6 @@ def _round(value: Any) -> dict[str, Any] | None:
         except (KeyError, TypeError, AttributeError):
             return None
     return value
-
-
-def _record(spec: RoundSpec, round_id: str, trigger: str) -> dict[str, Any]:
-    return {**asdict(spec), "round_id": round_id, "trigger": trigger}
 
 
 def _spec(record: dict[str, Any]) -> RoundSpec:

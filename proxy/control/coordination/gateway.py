@@ -285,7 +285,6 @@ class Client:
 
     # -- kv -----------------------------------------------------------------------
     async def get(self, key: str) -> Stored | None:
-        """What ``key`` holds (None when absent)."""
         return (await self._range({"key": b64(key)})).get(key)
 
     async def get_prefix(self, prefix: str) -> dict[str, Stored]:
@@ -387,7 +386,7 @@ def _headers(auth: dict[str, str] | None = None) -> CIMultiDict[str]:
 
 
 def _json64(value: Any) -> str:
-    return base64.b64encode(json.dumps(value).encode()).decode()
+    return b64(json.dumps(value))
 
 
 def _put(key: str, value: Any, lease: str | None) -> dict[str, Any]:
