@@ -104,7 +104,7 @@ class Pump:
             if not drain:
                 return None  # the body ended
             drain = False
-            await self._drain()
+            await self._waiting(self.sink.drain())
 
     async def _pump_awaiting(
         self, attempt: Attempt, parser: EventParser, handle: Handle
@@ -190,15 +190,12 @@ class Pump:
         await self.write(KEEPALIVE)
 
     def _write_now(self, data: bytes) -> bool:
-        """As :meth:`write`, from a data callback; False: :meth:`_drain` first."""
+        """As :meth:`write`, from a data callback; False: drain the sink first."""
         self._first_byte(data)
         try:
             return self.sink.write_now(data)
         except ConnectionError as e:
             raise ClientGone(f"the client went away: {e!r}") from e
-
-    async def _drain(self) -> None:
-        await self._waiting(self.sink.drain())
 
     async def _waiting(self, io: Awaitable[None]) -> None:
         """A write that may wait on the client; a failure is the client's
