@@ -102,9 +102,11 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
         raise BadRequest(f"invalid body: {e}") from None
 
 
-def _group_or_404(request: Request, group: str) -> None:
-    if not request.app[TABLE].group(group):
-        raise NotFound(f"no group named {group!r}")
+def _group(request: Request, name: str) -> list[Rank]:
+    group = request.app[TABLE].group(name)
+    if not group:
+        raise NotFound(f"no group named {name!r}")
+    return group
 
 
 def _report_response(report: RoundReport) -> Response:
@@ -149,7 +151,7 @@ async def retry(request: Request) -> Response:
     if (answer := await _at_leader(request)) is not None:
         return answer
     body: RetryBody = await _body(request, RetryBody)
-    _group_or_404(request, body.group)
+    _group(request, body.group)
     spec = RoundSpec(body.group, wait_unhealthy_s=body.wait_unhealthy_s, recover_s=body.recover_s)
     return _report_response(await request.app[COORD].run_round(spec, Trigger.ADMIN))
 
@@ -158,8 +160,7 @@ async def scale_down(request: Request) -> Response:
     if (answer := await _at_leader(request)) is not None:
         return answer
     body: ScaleDownBody = await _body(request, ScaleDownBody)
-    _group_or_404(request, body.group)
-    group = request.app[TABLE].group(body.group)
+    group = _group(request, body.group)
     # Checked before anything is sent: the engine must have the instruction.
     lacking = [f"{r.name}: {why}" for r in group if (why := engines.lacks(r, "scale_down"))]
     if lacking:
@@ -247,13 +248,12 @@ def reload_config(app: web.Application) -> dict[str, Any]:
 def _reload_listener_tls(app: web.Application, tls: ListenerTLS | None) -> bool:
     """The certificate files, read again into the live listener (rotation)."""
     live = app.get(LISTENER_TLS)
-    if (live is None) != (tls is None):
+    if live is not None and tls is not None:
+        tls.load_into(live)
+        return True
+    if live is not None or tls is not None:
         log.warning("reload: turning listen.tls on or off takes a restart; left as it was")
-        return False
-    if live is None or tls is None:
-        return False
-    tls.load_into(live)
-    return True
+    return False
 
 
 WEIGHTS = web.AppKey("weight_overrides", dict[str, int])

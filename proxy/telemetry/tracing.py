@@ -18,7 +18,7 @@ The provider is the app's own (no process-global state), shut down with it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 from proxy.core.settings import TracingConfig
@@ -55,21 +55,20 @@ class Tracing:
     def shutdown(self) -> None:
         self.provider.shutdown()  # flushes what is still batched
 
-    @contextmanager
-    def request(self, name: str, headers: Mapping[str, str], attrs: Attrs) -> Iterator[Span]:
+    def request(
+        self, name: str, headers: Mapping[str, str], attrs: Attrs
+    ) -> AbstractContextManager[Span]:
         """The client request's span, current while it is served."""
         from opentelemetry.trace import SpanKind
 
-        parent = self.propagator.extract(headers)
-        with self.tracer.start_as_current_span(
+        return self.tracer.start_as_current_span(
             name,
-            context=parent,
+            context=self.propagator.extract(headers),
             kind=SpanKind.SERVER,
             attributes=attrs,
             record_exception=False,
             set_status_on_exception=False,
-        ) as span:
-            yield span
+        )
 
     @contextmanager
     def attempt(self, name: str, headers: MutableMapping[str, str], attrs: Attrs) -> Iterator[Span]:
@@ -84,11 +83,9 @@ class Tracing:
             self.propagator.inject(headers)
             yield span
 
-    @contextmanager
-    def span(self, name: str, attrs: Attrs) -> Iterator[Span]:
+    def span(self, name: str, attrs: Attrs) -> AbstractContextManager[Span]:
         """A child of the current span, current while the block runs."""
-        with self.tracer.start_as_current_span(name, attributes=attrs) as span:
-            yield span
+        return self.tracer.start_as_current_span(name, attributes=attrs)
 
     def start(self, name: str, attrs: Attrs) -> Span:
         """A child of the current span that the caller ends (a hold)."""

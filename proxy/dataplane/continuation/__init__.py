@@ -7,14 +7,13 @@ logic, no I/O: the hold-open machinery (:mod:`proxy.dataplane.hold`) does that.
 
 from proxy.dataplane.continuation.book import ABORT, CHAT, COMPLETION, Book, Emit, hide_ids, text_of
 from proxy.dataplane.continuation.fields import Refusal, as_bool, refusal
-from proxy.dataplane.continuation.splice import Decode, SpliceFailed
+from proxy.dataplane.continuation.splice import SpliceFailed
 
 __all__ = [
     "ABORT",
     "CHAT",
     "COMPLETION",
     "Book",
-    "Decode",
     "Emit",
     "Refusal",
     "SpliceFailed",

@@ -118,10 +118,9 @@ class Book:
     @classmethod
     def for_request(cls, kind: str, body: dict[str, Any]) -> Book:
         opts = body.get("stream_options")
-        usage = isinstance(opts, dict) and as_bool(opts.get("include_usage"))
-        continuous = (
-            usage and isinstance(opts, dict) and as_bool(opts.get("continuous_usage_stats"))
-        )
+        opts = opts if isinstance(opts, dict) else {}
+        usage = as_bool(opts.get("include_usage"))
+        continuous = usage and as_bool(opts.get("continuous_usage_stats"))
         n = body.get("n")
         n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
         # vLLM streams n choices for each prompt of a batch.
@@ -220,11 +219,11 @@ class Book:
             self.reasoning = True
         if delta.get("content"):
             self.answering = True
-        if self.kind == CHAT and "role" in (choice.get("delta") or {}):
+        if self.kind == CHAT and "role" in delta:
             # vLLM sends one for each of the n choices, under its index.
             index = choice.get("index") if isinstance(choice.get("index"), int) else 0
             if index in self.roles_sent:  # restart: the client already has the role
-                choice["delta"].pop("role")
+                delta.pop("role")
             self.roles_sent.add(index)
         if choice.get("finish_reason") == "abort":
             # Its text is what vLLM held back for a possible stop match: it is
@@ -236,7 +235,7 @@ class Book:
         self.prompt_shown |= bool(prompt)
         if self._kept_by_parser(choice):
             return Emit()
-        return Emit([self._shown(_dumps(chunk))], finished=self.finish_reason is not None)
+        return Emit([self._shown(orjson.dumps(chunk))], finished=self.finish_reason is not None)
 
     def _kept_by_parser(self, choice: dict[str, Any]) -> bool:
         """A chat chunk of tokens a reasoning or tool parser kept to itself:
@@ -286,7 +285,7 @@ class Book:
         if self.spliced or not self.wants_usage or self.usage_sent or not self.finish_reason:
             return Emit()
         self.usage_sent = True
-        return Emit([self._shown(_dumps(chunk))])
+        return Emit([self._shown(orjson.dumps(chunk))])
 
     def _shown(self, data: bytes) -> bytes:
         """The chunk as the client asked for it: token ids only if requested."""
@@ -368,7 +367,7 @@ class Book:
         if self.restarted:  # nothing generated: start over, exactly
             body = copy.deepcopy(self.body)
             body.update(stream=True, return_token_ids=True)
-            return self._path(), body
+            return ("/v1/chat/completions" if self.kind == CHAT else "/v1/completions"), body
         assert self.prompt_ids is not None
         limit = self._budget(max_model_len)
         await self._rollback(decode)
@@ -441,9 +440,6 @@ class Book:
                 len(b.skip),
                 len(b.recovered),
             )
-
-    def _path(self) -> str:
-        return "/v1/chat/completions" if self.kind == CHAT else "/v1/completions"
 
     def on_continuation(self, chunk: dict[str, Any]) -> Emit:
         """A ``/v1/completions`` chunk of the continuation, in the client's shape."""
@@ -623,7 +619,7 @@ class Book:
         chunk["choices"] = [choice]
         if self.continuous:
             chunk["usage"] = {**self._usage(), **self._usage_fields()}
-        return _dumps(chunk)
+        return orjson.dumps(chunk)
 
     def _usage_fields(self) -> dict[str, Any]:
         """A chunk's usage fields beyond the counts, as the rank's first
@@ -671,7 +667,7 @@ class Book:
             chunk = _base(self.template, self.kind)
             chunk["choices"] = []
             chunk["usage"] = self._usage()
-            out.append(_dumps(chunk))
+            out.append(orjson.dumps(chunk))
             self.usage_sent = True
         return out
 
@@ -713,10 +709,6 @@ def _base(template: dict[str, Any] | None, kind: str) -> dict[str, Any]:
     if "system_fingerprint" in t:
         base["system_fingerprint"] = t["system_fingerprint"]
     return base
-
-
-def _dumps(obj: dict[str, Any]) -> bytes:
-    return orjson.dumps(obj)
 
 
 # Machine-written JSON: a quote inside a string is escaped, so these byte

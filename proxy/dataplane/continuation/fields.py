@@ -144,20 +144,21 @@ def _f(fate: str, why: str, only: str = BOTH) -> Field:
     return Field(fate, why, only=only)
 
 
-def _r(
-    code: str, when: str, refused: Pred, why: str, fate: str = REFUSE, only: str = BOTH
-) -> Field:
-    return Field(fate, why, code, refused, when, only)
+# A refusal's test: the README's words for it, and the predicate.
+Test = tuple[str, Pred]
+GIVEN: Test = ("given", _given)
+TRUE: Test = ("true", _truthy)
+NONZERO: Test = ("non-zero", _nonzero)
+
+
+def _r(code: str, test: Test, why: str, fate: str = REFUSE, only: str = BOTH) -> Field:
+    return Field(fate, why, code, test[1], test[0], only)
 
 
 # Fields several rows share.
 _RENDERED = _f(DROP, "rendered into the prompt's token ids", CHAT_ONLY)
 _MULTIMODAL = _r(
-    "multimodal",
-    "given",
-    _given,
-    "multimodal inputs cannot be replayed as token ids",
-    only=CHAT_ONLY,
+    "multimodal", GIVEN, "multimodal inputs cannot be replayed as token ids", only=CHAT_ONLY
 )
 
 FIELDS: dict[str, Field] = {
@@ -165,8 +166,7 @@ FIELDS: dict[str, Field] = {
     "model": _f(CARRY, "the same model"),
     "prompt": _r(
         "batch_prompt",
-        "several prompts",
-        _batch,
+        ("several prompts", _batch),
         "the prompt's token ids plus the ids generated so far; several prompts "
         "stream as interleaved choices, one prompt's ids each",
         ADJUST,
@@ -174,21 +174,16 @@ FIELDS: dict[str, Field] = {
     ),
     "messages": _r(
         "multimodal",
-        "a content part is not text",
-        _multimodal,
+        ("a content part is not text", _multimodal),
         "rendered into the prompt's token ids",
         DROP,
         CHAT_ONLY,
     ),
     "prompt_embeds": _r(
-        "multimodal",
-        "given",
-        _given,
-        "embeddings have no token ids to continue from",
-        only=COMPLETIONS,
+        "multimodal", GIVEN, "embeddings have no token ids to continue from", only=COMPLETIONS
     ),
-    "suffix": _r("suffix", "given", _given, "changes what the prompt means", only=COMPLETIONS),
-    "echo": _r("echo", "true", _truthy, "the prompt would be echoed again"),
+    "suffix": _r("suffix", GIVEN, "changes what the prompt means", only=COMPLETIONS),
+    "echo": _r("echo", TRUE, "the prompt would be echoed again"),
     "add_special_tokens": _f(ADJUST, "false: the prompt ids already have them"),
     "add_generation_prompt": _RENDERED,
     "continue_final_message": _RENDERED,
@@ -231,31 +226,26 @@ FIELDS: dict[str, Field] = {
     "min_p": _f(CARRY, "per-step"),
     "seed": _r(
         "seed_sampled",
-        "sampling (no temperature 0)",
-        _sampled,
+        ("sampling (no temperature 0)", _sampled),
         "the random state at the splice cannot be restored",
         CARRY,
     ),
-    "n": _r("n_choices", "> 1", _above_one, "the other choices' state is not visible", CARRY),
-    "use_beam_search": _r("beam_search", "true", _truthy, "the beams' state is not visible", CARRY),
+    "n": _r("n_choices", ("> 1", _above_one), "the other choices' state is not visible", CARRY),
+    "use_beam_search": _r("beam_search", TRUE, "the beams' state is not visible", CARRY),
     "length_penalty": _f(CARRY, "beam search only (refused)"),
     "repetition_penalty": _f(CARRY, "vLLM counts prompt and output tokens: the same set"),
     "presence_penalty": _r(
         "penalty_on_output",
-        "non-zero",
-        _nonzero,
+        NONZERO,
         "vLLM counts output tokens only: the continuation's output lacks what was generated before",
         CARRY,
     ),
-    "frequency_penalty": _r(
-        "penalty_on_output", "non-zero", _nonzero, "vLLM counts output tokens only", CARRY
-    ),
+    "frequency_penalty": _r("penalty_on_output", NONZERO, "vLLM counts output tokens only", CARRY),
     "logit_bias": _f(CARRY, "per-step"),
     "allowed_token_ids": _f(CARRY, "per-step"),
     "bad_words": _r(
         "bad_words",
-        "given",
-        _given,
+        GIVEN,
         "vLLM matches them against output tokens only: one spanning the splice would be missed",
         CARRY,
     ),
@@ -274,25 +264,22 @@ FIELDS: dict[str, Field] = {
     "skip_special_tokens": _f(CARRY, "the splice's text is decoded the same way"),
     "spaces_between_special_tokens": _f(CARRY, "the splice's text is decoded the same way"),
     "thinking_token_budget": _r(
-        "thinking_budget", "given", _given, "the reasoning tokens counted so far are not visible"
+        "thinking_budget", GIVEN, "the reasoning tokens counted so far are not visible"
     ),
     "include_reasoning": _r(
         "reasoning_hidden",
-        "false",
-        _hidden,
+        ("false", _hidden),
         "where hidden reasoning ends is not visible; continuing mid-"
         "reasoning is refused too (`reasoning_in_progress`)",
         DROP,
         CHAT_ONLY,
     ),
     "repetition_detection": _r(
-        "repetition_detection", "given", _given, "its state covers the output before the splice"
+        "repetition_detection", GIVEN, "its state covers the output before the splice"
     ),
-    "watermarking": _r(
-        "watermarking", "true", _truthy, "the watermark's state at the splice is not visible"
-    ),
+    "watermarking": _r("watermarking", TRUE, "the watermark's state at the splice is not visible"),
     "vllm_xargs": _r(
-        "logits_processor_args", "given", _given, "custom logits processors' state is not visible"
+        "logits_processor_args", GIVEN, "custom logits processors' state is not visible"
     ),
     # -- output shape --------------------------------------------------------
     "stream": _f(ADJUST, "true: the proxy assembles whole answers itself"),
@@ -303,27 +290,24 @@ FIELDS: dict[str, Field] = {
         "true (the proxy needs the ids); the client gets them if "
         'it asked, read as vLLM reads it ("false" is false)',
     ),
-    "return_token_offsets": _r(
-        "token_offsets", "true", _truthy, "cannot be rebuilt in the client's shape"
-    ),
+    "return_token_offsets": _r("token_offsets", TRUE, "cannot be rebuilt in the client's shape"),
     "return_tokens_as_token_ids": _f(CARRY, "only with logprobs (refused)"),
     "return_prompt_text": _f(DROP, "the client had it in the first chunk", CHAT_ONLY),
-    "logprobs": _r("logprobs", "set", _logprobs, "cannot be rebuilt in the client's shape"),
+    "logprobs": _r("logprobs", ("set", _logprobs), "cannot be rebuilt in the client's shape"),
     "top_logprobs": _r(
-        "logprobs", "> 0", _nonzero, "cannot be rebuilt in the client's shape", only=CHAT_ONLY
+        "logprobs", ("> 0", _nonzero), "cannot be rebuilt in the client's shape", only=CHAT_ONLY
     ),
-    "prompt_logprobs": _r("logprobs", "given", _given, "cannot be rebuilt in the client's shape"),
-    "logprob_token_ids": _r("logprobs", "given", _given, "cannot be rebuilt in the client's shape"),
+    "prompt_logprobs": _r("logprobs", GIVEN, "cannot be rebuilt in the client's shape"),
+    "logprob_token_ids": _r("logprobs", GIVEN, "cannot be rebuilt in the client's shape"),
     "response_format": _r(
-        "structured_output", "not text", _structured, "the grammar's state at the splice is lost"
+        "structured_output", ("not text", _structured), "the grammar's state at the splice is lost"
     ),
     "structured_outputs": _r(
-        "structured_output", "given", _given, "the grammar's state at the splice is lost"
+        "structured_output", GIVEN, "the grammar's state at the splice is lost"
     ),
     "tools": _r(
         "tool_calling",
-        "tool_choice is not none",
-        _tools_used,
+        ("tool_choice is not none", _tools_used),
         "the tool-call parser's state is lost",
         DROP,
         CHAT_ONLY,

@@ -46,7 +46,7 @@ closed one is usable (sampled), and the proxy then matches across it
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Decode = Callable[[list[int]], Awaitable[str]]
 
@@ -121,24 +121,22 @@ async def find_boundary(
     do (an unrecognized special token)."""
     held_max = max((len(s) - 1 for s in stops), default=0)
     ctx = prompt[-CONTEXT:]
-    base = await decode(ctx) if ctx else ""
+    dec = _Decoder(ctx, await decode(ctx) if ctx else "", decode)
     n = len(generated)
     texts: dict[int, str | None] = {0: ""}
-    specials: set[int] = set()
     if skip_special:
-        said = visible + owed
-        specials, texts[n] = await _specials(ctx, base, generated, suspects, said, held_max, decode)
+        texts[n] = await _specials(dec, generated, suspects, visible + owed, held_max)
     full = None
     if stops:
         if texts.get(n) is None:
-            texts[n] = await _text(ctx, base, generated, specials, decode)
+            texts[n] = await dec.text(generated)
         whole = texts[n]
         # A character not yet whole has no text in vLLM's output: not checked.
         full = whole.rstrip(REPLACEMENT) if whole is not None else None
     fallback: Boundary | None = None
     for k in _candidates(marks, len(generated), lowest, greedy):
         if k not in texts:
-            texts[k] = await _text(ctx, base, generated[:k], specials, decode)
+            texts[k] = await dec.text(generated[:k])
         text = texts[k]
         if text is None or text.endswith(REPLACEMENT):
             continue
@@ -162,68 +160,70 @@ async def find_boundary(
     )
 
 
+@dataclass
+class _Decoder:
+    """Token ids to their text as the stream shows it: decoded after the
+    prompt's last ids ``ctx`` (whose own text is ``base``), without the
+    special tokens found so far."""
+
+    ctx: list[int]
+    base: str
+    decode: Decode
+    specials: set[int] = field(default_factory=set)
+
+    async def text(self, ids: list[int]) -> str | None:
+        full = await self.decode(self.ctx + [t for t in ids if t not in self.specials])
+        return full[len(self.base) :] if full.startswith(self.base) else None
+
+
 async def _specials(
-    ctx: list[int],
-    base: str,
-    generated: list[int],
-    suspects: set[int],
-    said: str,
-    held_max: int,
-    decode: Decode,
-) -> tuple[set[int], str | None]:
-    """The special tokens among ``generated``, whose text the stream skips
-    (``skip_special_tokens``) and ``/detokenize`` keeps, and the text of the
-    others: the ids it showed alone with no text that decode alone to whole
-    text; then, while the ids' text says more than the stream's (``said``)
-    where they part, the token whose text begins there (vLLM merges a
-    special token into a chunk with others, whose text is theirs only).
-    Past the end of ``said`` the first such token's text may be text vLLM
-    held back for a stop string, the client's: only a token whose text is
-    longer than that (``held_max``) is taken for special there."""
-    specials: set[int] = set()
+    dec: _Decoder, generated: list[int], suspects: set[int], said: str, held_max: int
+) -> str | None:
+    """Find the special tokens among ``generated`` (into ``dec.specials``),
+    whose text the stream skips (``skip_special_tokens``) and ``/detokenize``
+    keeps, and return the text of the others. Special: the ids it showed
+    alone with no text that decode alone to whole text; then, while the ids'
+    text says more than the stream's (``said``) where they part, the token
+    whose text begins there (vLLM merges a special token into a chunk with
+    others, whose text is theirs only). Past the end of ``said`` the first
+    such token's text may be text vLLM held back for a stop string, the
+    client's: only a token whose text is longer than that (``held_max``) is
+    taken for special there."""
     for t in sorted(suspects & set(generated)):
-        alone = await decode([t])
+        alone = await dec.decode([t])
         if alone and REPLACEMENT not in alone:
-            specials.add(t)
+            dec.specials.add(t)
     whole: str | None = None
     for _ in range(SPECIALS_FOUND_MAX):
-        whole = await _text(ctx, base, generated, specials, decode)
+        whole = await dec.text(generated)
         if whole is None:
             break
         full = whole.rstrip(REPLACEMENT)
         i = _parting(full, said)
         if i == len(full) or (i == len(said) and len(full) - i <= held_max):
             break  # they agree; past ``said``, text vLLM held back
-        first = await _reaching(ctx, base, generated, specials, i, decode)
+        first = await _reaching(dec, generated, i)
         tail = held_max if i == len(said) else 0
-        special = await _special_from(ctx, base, generated, first, specials, full, i, tail, decode)
+        special = await _special_from(dec, generated[first:], full, i, tail)
         if special is None:
             break
-        specials.add(special)
+        dec.specials.add(special)
         whole = None
-    return specials, whole
+    return whole
 
 
 async def _special_from(
-    ctx: list[int],
-    base: str,
-    ids: list[int],
-    first: int,
-    specials: set[int],
-    full: str,
-    i: int,
-    held: int,
-    decode: Decode,
+    dec: _Decoder, tokens: list[int], full: str, i: int, held: int
 ) -> int | None:
-    """The token, from ``ids[first]`` on, whose text starts where the ids'
-    text ``full`` has more than the stream's (at ``i``, or after ``held``
-    characters of held-back text before it), and is longer than ``held``:
-    text that ``held`` held-back characters cannot be."""
+    """The one of ``tokens`` whose text starts where the ids' text ``full``
+    has more than the stream's (at ``i``, or after ``held`` characters of
+    held-back text before it), and is longer than ``held``: text that
+    ``held`` held-back characters cannot be."""
     at = i
-    for t in ids[first:]:
-        if t in specials:
+    for t in tokens:
+        if t in dec.specials:
             continue
-        alone = await decode([t])
+        alone = await dec.decode([t])
         if not alone or REPLACEMENT in alone or not full.startswith(alone, at):
             return None
         if len(alone) > held:
@@ -241,14 +241,12 @@ def _parting(a: str, b: str) -> int:
     )
 
 
-async def _reaching(
-    ctx: list[int], base: str, ids: list[int], specials: set[int], chars: int, decode: Decode
-) -> int:
-    """The first of ``ids`` whose text takes their text past ``chars`` characters."""
-    lo, hi = 0, len(ids) - 1
+async def _reaching(dec: _Decoder, tokens: list[int], chars: int) -> int:
+    """The first of ``tokens`` whose text takes their text past ``chars`` characters."""
+    lo, hi = 0, len(tokens) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        text = await _text(ctx, base, ids[: mid + 1], specials, decode)
+        text = await dec.text(tokens[: mid + 1])
         if text is not None and len(text.rstrip(REPLACEMENT)) > chars:
             hi = mid
         else:
@@ -280,10 +278,3 @@ def _usable(
     if owed.startswith(extra) or (extra.startswith(owed) and len(extra) - len(owed) <= held_max):
         return Boundary(k, text, "", extra)
     return None
-
-
-async def _text(
-    ctx: list[int], base: str, ids: list[int], specials: set[int], decode: Decode
-) -> str | None:
-    full = await decode(ctx + [t for t in ids if t not in specials])
-    return full[len(base) :] if full.startswith(base) else None

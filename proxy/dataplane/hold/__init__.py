@@ -34,7 +34,7 @@ import orjson
 from proxy.core.errors import error_body
 from proxy.dataplane.continuation import Book, Refusal
 from proxy.dataplane.hold.continuer import Continuer
-from proxy.dataplane.hold.hold import ENDS, Context, Flow, Hold, StreamFailed
+from proxy.dataplane.hold.hold import ENDS, Context, Hold, StreamFailed
 from proxy.dataplane.hold.pump import Pump, PumpEnd
 from proxy.dataplane.sink import Collector, Sink
 from proxy.dataplane.sse import DONE, event
@@ -63,11 +63,10 @@ class HeldStream:
             relay.tracing,
             s.timeouts.poll_interval_s,
         )
-        access, rid = accesslog.current(), out.request_id
-        self.flow = Flow()
-        self.hold = Hold(ctx, self.flow, book, rid, access)
-        self.pump = Pump(self.hold, self.flow, book, sink, rid, access)
-        self.continuer = Continuer(ctx, relay, self.hold, self.flow, out, refused, access)
+        self.hold = Hold(ctx, book, out.request_id, accesslog.current())
+        self.flow = self.hold.flow
+        self.pump = Pump(self.hold, sink)
+        self.continuer = Continuer(self.hold, relay, out, refused)
         self.metrics = ctx.metrics
 
     async def run(self, first: Attempt | None) -> None:

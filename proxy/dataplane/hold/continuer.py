@@ -22,9 +22,8 @@ from proxy.control.ranks import Source
 from proxy.core.errors import ProxyError, RankError
 from proxy.dataplane.budget import CONTINUATIONS
 from proxy.dataplane.continuation import Refusal, SpliceFailed
-from proxy.dataplane.hold.hold import Context, Flow, Hold, ResumedBy, StreamFailed
+from proxy.dataplane.hold.hold import Hold, ResumedBy, StreamFailed
 from proxy.telemetry import accesslog
-from proxy.telemetry.accesslog import AccessRecord
 from proxy.upstream.client import RankResponse
 
 if TYPE_CHECKING:
@@ -58,18 +57,9 @@ class Sender(Protocol):
 
 
 class Continuer:
-    def __init__(
-        self,
-        ctx: Context,
-        sender: Sender,
-        hold: Hold,
-        flow: Flow,
-        out: Outbound,
-        refused: Refusal | None,
-        access: AccessRecord | None,
-    ) -> None:
-        self.ctx, self.sender, self.hold, self.flow = ctx, sender, hold, flow
-        self.out, self.book, self.refused, self.access = out, hold.book, refused, access
+    def __init__(self, hold: Hold, sender: Sender, out: Outbound, refused: Refusal | None) -> None:
+        self.ctx, self.sender, self.hold, self.flow = hold.ctx, sender, hold, hold.flow
+        self.out, self.book, self.refused, self.access = out, hold.book, refused, hold.access
         self.continuations = 0
 
     async def next(self) -> Attempt | None:

@@ -106,9 +106,9 @@ class Flow:
 
 class Hold:
     def __init__(
-        self, ctx: Context, flow: Flow, book: Book, request_id: str, access: AccessRecord | None
+        self, ctx: Context, book: Book, request_id: str, access: AccessRecord | None
     ) -> None:
-        self.ctx, self.cfg, self.flow, self.book = ctx, ctx.cfg, flow, book
+        self.ctx, self.cfg, self.flow, self.book = ctx, ctx.cfg, Flow(), book
         self.request_id, self.access = request_id, access
         self.since: float | None = None
         self.reason = ""

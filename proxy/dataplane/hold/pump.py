@@ -18,11 +18,10 @@ import aiohttp
 import orjson
 
 from proxy.core.errors import ClientGone
-from proxy.dataplane.continuation import Book, Emit, SpliceFailed
-from proxy.dataplane.hold.hold import Flow, Hold, StreamFailed
+from proxy.dataplane.continuation import Emit, SpliceFailed
+from proxy.dataplane.hold.hold import Hold, StreamFailed
 from proxy.dataplane.sink import Collector, Sink
 from proxy.dataplane.sse import DONE, KEEPALIVE, EventParser, EventTooLarge, event, new_parser
-from proxy.telemetry.accesslog import AccessRecord
 from proxy.upstream.client import BODY_ERRORS
 
 if TYPE_CHECKING:
@@ -45,19 +44,11 @@ Handle = Callable[[dict[str, Any]], Emit]
 
 
 class Pump:
-    def __init__(
-        self,
-        hold: Hold,
-        flow: Flow,
-        book: Book,
-        sink: Sink,
-        request_id: str,
-        access: AccessRecord | None,
-    ) -> None:
-        self.hold, self.flow, self.book, self.sink = hold, flow, book, sink
-        self.request_id, self.access = request_id, access
+    def __init__(self, hold: Hold, sink: Sink) -> None:
+        self.hold, self.flow, self.book, self.sink = hold, hold.flow, hold.book, sink
+        self.request_id, self.access = hold.request_id, hold.access
         # Cleared at the first event the client gets: its time to first token.
-        self.first_pending = access is not None and not isinstance(sink, Collector)
+        self.first_pending = self.access is not None and not isinstance(sink, Collector)
 
     async def pump(self, attempt: Attempt, handle: Handle) -> PumpEnd:
         """Relay one upstream's events; say how it ended."""
@@ -113,7 +104,7 @@ class Pump:
             if not drain:
                 return None  # the body ended
             drain = False
-            await self._drain()
+            await self._waiting(self.sink.drain())
 
     async def _pump_awaiting(
         self, attempt: Attempt, parser: EventParser, handle: Handle
@@ -199,15 +190,12 @@ class Pump:
         await self.write(KEEPALIVE)
 
     def _write_now(self, data: bytes) -> bool:
-        """As :meth:`write`, from a data callback; False: :meth:`_drain` first."""
+        """As :meth:`write`, from a data callback; False: drain the sink first."""
         self._first_byte(data)
         try:
             return self.sink.write_now(data)
         except ConnectionError as e:
             raise ClientGone(f"the client went away: {e!r}") from e
-
-    async def _drain(self) -> None:
-        await self._waiting(self.sink.drain())
 
     async def _waiting(self, io: Awaitable[None]) -> None:
         """A write that may wait on the client; a failure is the client's
