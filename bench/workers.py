@@ -1,7 +1,7 @@
 """CPU per stream event and per small request through ft-proxy, one worker process and two.
 
-``python -m bench.workers [--seconds S] [--reps N] [--base TREE]`` (part of ``make bench``).
-``--base``: another checkout of ft-proxy (``git worktree add``), measured in the same run.
+``python -m bench.workers [--seconds S] [--reps N] [--base TREE ...]`` (part of ``make bench``).
+``--base``: other checkouts of ft-proxy (``git worktree add``), measured in the same run.
 
 The fake rank (:mod:`bench.backend`, vLLM's exact bytes) and the load
 generator (:mod:`bench.load`, every answer checked) run on the same machine
@@ -111,10 +111,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--base", type=Path, help="another ft-proxy checkout, measured beside this")
+    ap.add_argument("--base", type=Path, nargs="*", default=[],
+                    help="other ft-proxy checkouts, measured beside this")  # fmt: skip
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
-    trees = [("this", HERE)] + ([("base", args.base.resolve())] if args.base else [])
+    trees = [("this", HERE)] + [(tree.resolve().name, tree.resolve()) for tree in args.base]
     targets = [Target(label, tree, n) for label, tree in trees for n in sorted({1, *args.workers})]
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
