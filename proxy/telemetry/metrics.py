@@ -280,7 +280,11 @@ class Metrics:
             pid: fams for (pid, _), fams in zip(others, got, strict=True) if fams is not None
         }
         # File locks and writes: off the loop, which goes on relaying meanwhile.
-        rest = await asyncio.to_thread(siblings.settle, folder, fresh)
+        try:
+            rest = await asyncio.to_thread(siblings.settle, folder, fresh)
+        except OSError as e:  # the run directory gone (the replica stops) or full
+            siblings.log.warning("metrics: the last counts of ended workers left out: %s", e)
+            rest = {}
         total = siblings.copy(mine)
         for pid, fams in fresh.items():
             if pid != self.pid:
