@@ -8,9 +8,11 @@ loop and serves nothing itself; it:
 * forwards SIGHUP (reload) and SIGTERM/SIGINT (graceful drain) to every
   worker, and on SIGTERM closes its own copy of the socket, so the listener
   really closes once the workers have closed theirs;
-* gives the workers a run directory: prometheus-client's multiprocess files
-  (``/metrics`` for the whole replica) and the ``flock`` that elects the one
-  worker leading recovery and the admin plane (proxy.control.coordination.flock).
+* gives the workers a run directory: the sockets and files through which a
+  scrape on any worker gets ``/metrics`` for the whole replica
+  (proxy.telemetry.siblings) and the ``flock`` that elects the one worker
+  leading recovery and the admin plane (proxy.control.coordination.flock);
+* keeps a dead worker's counts in the replica's (siblings.retire).
 
 Each worker keeps its own rank table from the same polls and feeds.
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 from types import FrameType
 
 from proxy.core.settings import Settings
+from proxy.telemetry import siblings
 
 log = logging.getLogger("ftproxy.supervisor")
 
@@ -50,21 +53,15 @@ class Supervisor:
         self.settings, self.config_path, self.n = settings, config_path, workers
         self.worker = worker
         self.run_dir = Path(tempfile.mkdtemp(prefix="ftproxy-"))
+        self.metrics_dir = self.run_dir / "metrics"
         self.pids: dict[int, int] = {}  # pid -> slot
         self.started: dict[int, float] = {}  # slot -> when its worker last started
         self.stopping = False
         self.sock: socket.socket | None = None
 
     def run(self) -> int:
-        metrics_dir = self.run_dir / "metrics"
-        metrics_dir.mkdir()
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-        # prometheus_client picks its value store at import, which the CLI's
-        # logging setup has already done; no metric exists yet (each app
-        # makes its own), so choosing again now is what an import would do.
-        from prometheus_client import values
-
-        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+        self.metrics_dir.mkdir()
+        os.environ[siblings.ENV] = str(self.metrics_dir)  # read by each worker's app
         listen = self.settings.listen
         self.sock = socket.create_server((listen.host, listen.port), backlog=1024)
         self.sock.set_inheritable(True)
@@ -112,7 +109,7 @@ class Supervisor:
                 time.sleep(0.05)
                 continue
             slot = self.pids.pop(pid)
-            _mark_dead(pid)
+            self._retire(pid)
             if self.stopping:
                 continue
             log.error("worker %d (pid %d) ended (%s); restarting it", slot, pid, _describe(status))
@@ -121,6 +118,14 @@ class Supervisor:
                 time.sleep(wait)
             if not self.stopping:
                 self._spawn(slot)
+
+    def _retire(self, pid: int) -> None:
+        # Its counters stay in the replica's sums; its gauges (in flight,
+        # queued, held) leave them.
+        try:
+            siblings.retire(self.metrics_dir, pid)
+        except OSError as e:  # a full disk must not stop the restarts
+            log.error("worker pid %d: its metrics could not be kept: %s", pid, e)
 
     def _spawn(self, slot: int) -> None:
         assert self.sock is not None
@@ -140,13 +145,6 @@ class Supervisor:
             accesslog.flush_all()  # os._exit skips atexit: a crashed worker's last lines too
             logging.shutdown()
             os._exit(code)
-
-
-def _mark_dead(pid: int) -> None:
-    # Drops the dead worker's live gauges (in flight, queued, held) from the sums.
-    from prometheus_client import multiprocess
-
-    multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
 
 
 def _describe(status: int) -> str:

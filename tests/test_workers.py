@@ -37,6 +37,30 @@ async def test_one_port_and_metrics_for_the_whole_replica(fakes, replica) -> Non
         assert code == 200 and total(text, "ftproxy_requests_total") == 12
 
 
+async def test_a_killed_workers_counts_stay_in_the_replicas(fakes, replica) -> None:
+    a = await fakes(name="a")
+    rep = await replica([a], workers=2)
+    async with aiohttp.ClientSession() as s:
+        for i in range(20):
+            async with s.post(rep.url + "/v1/completions", json={"prompt": f"p{i}"},
+                              headers={"Connection": "close"}) as r:  # fmt: skip
+                assert r.status == 200
+    code, text = await rep.get("/metrics")  # what Prometheus saw
+    assert code == 200 and total(text, "ftproxy_requests_total") == 20
+    victim = rep.workers()[0]
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(60):
+        now = rep.workers()
+        if victim not in now and len(now) == 2:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
+    for _ in range(6):  # either worker, the new one too: no drop, which would read as a reset
+        code, text = await rep.get("/metrics")
+        assert code == 200 and total(text, "ftproxy_requests_total") == 20
+        assert total(text, "ftproxy_upstream_latency_seconds_count") == 20
+
+
 async def test_auto_recovery_runs_once_per_fault_across_workers(fakes, replica) -> None:
     a, b = await fakes(name="a"), await fakes(name="b")
     rep = await replica([a, b], workers=3, auto=True)

@@ -47,7 +47,7 @@ from proxy.ingress.state import (
 )
 from proxy.telemetry import accesslog, tracing
 from proxy.telemetry.accesslog import AccessLog
-from proxy.telemetry.metrics import SAMPLE_EVERY_S, Metrics
+from proxy.telemetry.metrics import Metrics
 from proxy.upstream import Upstream, request_headers
 from proxy.upstream.bounded import Bound
 
@@ -112,7 +112,9 @@ async def metrics(request: Request) -> Response:
     token = admin_cfg.token if admin_cfg.metrics_use_admin_token else admin_cfg.metrics_token
     if token is not None:
         check_api_key(request.headers, [token])
-    return Response(body=request.app[METRICS].render(), content_type="text/plain; charset=utf-8")
+    return Response(
+        body=await request.app[METRICS].exposition(), content_type="text/plain; charset=utf-8"
+    )
 
 
 def routes(settings: Settings) -> list[Route]:
@@ -211,10 +213,8 @@ async def _coordinate(app: web.Application) -> None:
         await app[COORD].close()
 
 
-async def _sample_metrics(app: web.Application) -> None:
-    while True:  # only with multiprocess metrics: see Metrics.sample
-        app[METRICS].sample()
-        await asyncio.sleep(SAMPLE_EVERY_S)
+async def _serve_metrics(app: web.Application) -> None:
+    await app[METRICS].serve_siblings()  # with workers: a scrape on a sibling asks for ours
 
 
 def build_app(
@@ -240,8 +240,8 @@ def build_app(
     app[COORD] = coord if coord is not None else for_settings(settings)
     app.cleanup_ctx.append(_upstream)
     app.cleanup_ctx.append(_background("coordination", _coordinate))
-    if app[METRICS].multiprocess:
-        app.cleanup_ctx.append(_background("metrics-sampler", _sample_metrics))
+    if app[METRICS].siblings is not None:
+        app.cleanup_ctx.append(_background("metrics-siblings", _serve_metrics))
     app.cleanup_ctx.append(_background("poller", _poll))
     app.cleanup_ctx.append(_background("models", _learn_models))
     app.cleanup_ctx.append(_background("push-feed", _push))

@@ -1,24 +1,26 @@
 """Prometheus metrics, one registry per app (no process-global state).
 
-With ``--workers N`` the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before
-anything imports prometheus_client: counters, histograms and gauges are kept
-in files there, and ``/metrics`` answered by any worker adds up every
-worker's (prometheus_client's multiprocess mode). The rank table gauges
-(status, routable, feed age) are the answering worker's view; every worker
-polls the same ranks. ``ftproxy_in_flight`` is summed over live workers.
+With ``--workers N`` each worker keeps its own, in its own memory, and
+``/metrics`` answered by any worker adds up every worker's
+(proxy.telemetry.siblings): counters, histograms and the in-flight, queued
+and held gauges are summed; the rank table gauges (status, routable, feed
+age) are the answering worker's view, as every worker polls the same ranks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+
+from proxy.telemetry import siblings
 
 
 class RankView(Protocol):
@@ -43,9 +45,6 @@ class Ranks(Protocol):
     def __iter__(self) -> Iterator[RankView]: ...
 
 
-# How often a worker copies its table's in-flight counts into the shared files.
-SAMPLE_EVERY_S = 0.25
-
 # A labelled metric: .labels() gives one of the same type.
 M = TypeVar("M", Counter, Histogram)
 
@@ -55,9 +54,14 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class _RankStatusCollector(Collector):
     """Reads the rank table at scrape time, so it can never go stale."""
 
-    def __init__(self, table: Ranks, in_flight: bool = True) -> None:
+    # Computed alike by every worker from the same polls: one worker's view is
+    # the replica's, never summed (in flight is each worker's own share).
+    VIEW = frozenset(
+        {"ftproxy_rank_status", "ftproxy_rank_routable", "ftproxy_feed_heartbeat_age_seconds"}
+    )
+
+    def __init__(self, table: Ranks) -> None:
         self.table = table
-        self.in_flight = in_flight  # False: a multiprocess gauge has it
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         status = GaugeMetricFamily(
@@ -83,15 +87,17 @@ class _RankStatusCollector(Collector):
             in_flight.add_metric([r.name], r.in_flight)
         yield status
         yield routable
-        if self.in_flight:
-            yield in_flight
+        yield in_flight
         yield heartbeat
 
 
 class Metrics:
     def __init__(self, table: Ranks) -> None:
         self.table = table
-        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        # Set by the supervisor (--workers N): where the workers find one another.
+        folder = os.environ.get(siblings.ENV)
+        self.siblings = Path(folder) if folder else None
+        self.pid = os.getpid()  # a worker makes its app after the fork
         self.registry = CollectorRegistry()
         # Bounded: label values are rank names, status codes and fixed reasons.
         self._children: dict[tuple[object, tuple[str, ...]], object] = {}
@@ -149,7 +155,6 @@ class Metrics:
             "ftproxy_queued_requests",
             "Requests waiting for a healthy rank",
             registry=r,
-            multiprocess_mode="livesum",
         )
         self.no_rank = counter(
             "ftproxy_no_healthy_rank", "Requests answered 503: no healthy rank in time"
@@ -163,7 +168,6 @@ class Metrics:
             "ftproxy_streams_held",
             "Client streams on hold through a fault now",
             registry=r,
-            multiprocess_mode="livesum",
         )
         self.hold_seconds = histogram(
             "ftproxy_hold_seconds",
@@ -247,15 +251,7 @@ class Metrics:
         self.internal_errors = counter(
             "ftproxy_internal_errors", "Requests answered 500 because of a bug in the proxy"
         )
-        self._table_collector = _RankStatusCollector(table, in_flight=not self.multiprocess)
-        r.register(self._table_collector)
-        self.in_flight = Gauge(
-            "ftproxy_in_flight",
-            "Requests in flight to the rank",
-            ["rank"],
-            multiprocess_mode="livesum",
-            registry=None,
-        )
+        r.register(_RankStatusCollector(table))
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, looked up once per label set: the relay
@@ -267,15 +263,44 @@ class Metrics:
             found = self._children[key] = metric.labels(*labels)
         return cast(M, found)
 
-    def sample(self) -> None:
-        """Copy this worker's in-flight counts to the shared files."""
-        for rank in self.table:
-            self.in_flight.labels(rank.name).set(rank.in_flight)
-
     def render(self) -> bytes:
-        if not self.multiprocess:
-            return generate_latest(self.registry)
-        whole = CollectorRegistry()
-        MultiProcessCollector(whole)  # type: ignore[no-untyped-call]
-        whole.register(self._table_collector)
-        return generate_latest(whole)
+        """This process's metrics."""
+        return generate_latest(self.registry)
+
+    async def exposition(self) -> bytes:
+        """What ``/metrics`` answers: this process's metrics, or with workers
+        the replica's, every worker's added up (proxy.telemetry.siblings)."""
+        folder = self.siblings
+        if folder is None:
+            return self.render()
+        mine = siblings.from_metrics(self.registry.collect())
+        others = siblings.siblings(folder, self.pid)
+        got = await asyncio.gather(*(siblings.read_sibling(path) for _, path in others))
+        fresh = {self.pid: mine} | {
+            pid: fams for (pid, _), fams in zip(others, got, strict=True) if fams is not None
+        }
+        # File locks and writes: off the loop, which goes on relaying meanwhile.
+        try:
+            rest = await asyncio.to_thread(siblings.settle, folder, fresh)
+        except OSError as e:  # the run directory gone (the replica stops) or full
+            siblings.log.warning("metrics: the last counts of ended workers left out: %s", e)
+            rest = {}
+        total = siblings.copy(mine)
+        for pid, fams in fresh.items():
+            if pid != self.pid:
+                siblings.add(total, fams)
+        siblings.add(total, rest)
+        return generate_latest(siblings.Exposition(total))
+
+    def shared(self) -> bytes:
+        """What this worker tells a sibling that takes a scrape: all but the
+        rank table's view, which the sibling has too."""
+        view = _RankStatusCollector.VIEW
+        return siblings.dumps(
+            siblings.from_metrics(m for m in self.registry.collect() if m.name not in view)
+        )
+
+    async def serve_siblings(self) -> None:
+        """Answer ``shared()`` on this worker's socket (with workers only) until cancelled."""
+        if self.siblings is not None:
+            await siblings.serve(siblings.socket_path(self.siblings, self.pid), self.shared)
