@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import IO
 
 from bench.load import Run, drive
 from bench.validate import Ask, Invalid
@@ -199,6 +200,19 @@ def _router() -> Path:
     return _venv_tool("router-venv", "vllm-router", "vllm-router")
 
 
+def _log(tmp: Path, port: int) -> IO[bytes]:
+    """A relay's stderr, in the run's scratch directory, for :func:`why` to show."""
+    return (tmp / f"relay-{port}.log").open("wb")
+
+
+def why(proc: subprocess.Popen[bytes], tmp: Path, port: int) -> str:
+    """What a relay that never answered left behind: its exit status and its log's end."""
+    status = "still running" if proc.poll() is None else f"exit status {proc.returncode}"
+    logs = [f for f in tmp.glob(f"*{port}*.log") if f.stat().st_size]
+    tail = logs[0].read_bytes()[-600:].decode(errors="replace") if logs else "(no log)"
+    return f"{status}; log: {tail.strip()}"
+
+
 def _router_args(backend: int, port: int, tmp: Path) -> list[str]:
     """The options vllm-router and sglang-router share (sglang-router is its upstream).
     Each its own metrics port: both default to 29000, and the second to start died on it."""
@@ -213,9 +227,7 @@ def start_router(
 ) -> subprocess.Popen[bytes]:
     # No thread option: its runtime starts a thread per core it may run on (taskset).
     cmd = [str(_router()), *_router_args(backend, port, tmp)]
-    return subprocess.Popen(
-        pinned(cores, cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    return subprocess.Popen(pinned(cores, cmd), stdout=subprocess.DEVNULL, stderr=_log(tmp, port))
 
 
 def start_sglang(
@@ -228,9 +240,7 @@ def start_sglang(
     if subprocess.run([str(python), "-c", "import sglang_router"], capture_output=True).returncode:
         raise Skip("sglang-router could not be installed from PyPI")
     cmd = [str(python), "-m", "sglang_router.launch_router", *_router_args(backend, port, tmp)]
-    return subprocess.Popen(
-        pinned(cores, cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    return subprocess.Popen(pinned(cores, cmd), stdout=subprocess.DEVNULL, stderr=_log(tmp, port))
 
 
 TARGETS: dict[str, Start | None] = {
@@ -312,7 +322,8 @@ def run_all(
                 try:
                     wait_http(f"http://127.0.0.1:{port}/health")
                 except TimeoutError as e:
-                    print(f"-- {name} skipped: it did not answer {e}", file=sys.stderr)
+                    print(f"-- {name} skipped: it did not answer {e}: {why(proc, tmp, port)}",
+                          file=sys.stderr)  # fmt: skip
                     del procs[name]
                     proc.kill()
                     proc.wait(10)

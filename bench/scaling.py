@@ -44,6 +44,7 @@ from bench.relay import (
     start_router,
     start_sglang,
     wait_http,
+    why,
 )
 from bench.validate import Invalid
 
@@ -203,7 +204,8 @@ def _start_targets(
         try:
             wait_http(f"http://127.0.0.1:{port}/health")
         except TimeoutError as e:
-            print(f"-- {name} skipped at W={w}: it did not answer {e}", file=sys.stderr)
+            print(f"-- {name} skipped at W={w}: it did not answer {e}: {why(proc, tmp, port)}",
+                  file=sys.stderr)  # fmt: skip
             del procs[name]
             proc.kill()
             proc.wait(10)
