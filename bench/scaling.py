@@ -8,8 +8,9 @@ W``; vllm-router and sglang-router have no thread option, and their runtime
 starts one thread per core it may run on, so the core set is theirs. The fake
 rank (``bench.backend --reuse-port``, one process a core) and the load
 generator (``bench.load``, one process a core, every answer checked) run on W
-other cores, half each (one core shared by both when W is 1), so W needs 2W
-cores (W + 1 for W = 1); a W the machine cannot give is skipped, saying so.
+other cores, half each (W = 1: one core each, or one shared by both where
+only two cores exist), so W needs 2W cores; a W the machine cannot give is
+skipped, saying so.
 The offered load grows with W (``STREAMS_PER_CORE`` paced streams, and
 ``SMALL_PER_CORE`` concurrent small requests, per proxy core); ``direct``
 through the same loader shows what the rank and loader can carry, and the
@@ -74,12 +75,12 @@ class Layout:
 def layout(w: int, cores: list[int]) -> Layout | None:
     """Cores for the relays, the rank and the loader at W, or None if there are too few."""
     rest = cores[w:]
-    need = max(1, w)
-    if len(rest) < need:
+    if len(rest) < max(1, w):
         return None
-    if need == 1:
-        return Layout(cores[:w], rest[:1], rest[:1])
-    return Layout(cores[:w], rest[: need // 2], rest[need // 2 : need])
+    if len(rest) == 1:  # W = 1 on two cores: rank and loader share the other one
+        return Layout(cores[:w], rest, rest)
+    half = max(1, w // 2)
+    return Layout(cores[:w], rest[:half], rest[half : 2 * half])
 
 
 def _span(cores: list[int]) -> str:
@@ -312,7 +313,7 @@ def run(
     for w in widths:
         lay = layout(w, cores)
         if lay is None:
-            why = f"W={w} skipped: it needs {w + max(1, w)} cores, this machine gives {len(cores)}"
+            why = f"W={w} skipped: it needs {2 * w} cores, this machine gives {len(cores)}"
             print(f"-- {why}", file=sys.stderr)
             skipped.append(why)
             continue
