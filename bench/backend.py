@@ -1,6 +1,6 @@
 """A fast fake vLLM rank for benchmarks: vLLM's exact bytes, paced.
 
-``python -m bench.backend PORT``. An asyncio protocol on httptools, so that the
+``python -m bench.backend PORT [--reuse-port]``. An asyncio protocol on httptools, so that the
 backend is never what limits a run. It answers like vLLM 0.32 behind uvicorn:
 chunked SSE with one event per chunk, keep-alive closed after 5 s idle, and
 the completion-chunk bytes of :mod:`bench.vllm_bytes`:
@@ -14,7 +14,9 @@ the completion-chunk bytes of :mod:`bench.vllm_bytes`:
   ``stream_options.include_usage``; then ``[DONE]``.
 
 Request fields beyond vLLM's: ``pace_s`` (seconds between chunks, default 2 ms).
-Looks healthy to ft-proxy's poller.
+Looks healthy to ft-proxy's poller. ``--reuse-port``: several processes serve
+one port (``SO_REUSEPORT``, the kernel spreads connections), for loads one core
+cannot send.
 """
 
 from __future__ import annotations
@@ -190,9 +192,11 @@ class Conn(asyncio.Protocol):
         )  # fmt: skip
 
 
-async def serve(port: int) -> None:
+async def serve(port: int, reuse_port: bool = False) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(Conn, "127.0.0.1", port, backlog=1024)
+    server = await loop.create_server(
+        Conn, "127.0.0.1", port, backlog=1024, reuse_port=reuse_port or None
+    )
     async with server:
         await server.serve_forever()
 
@@ -200,7 +204,7 @@ async def serve(port: int) -> None:
 def main() -> None:
     import uvloop
 
-    uvloop.run(serve(int(sys.argv[1])))
+    uvloop.run(serve(int(sys.argv[1]), "--reuse-port" in sys.argv[2:]))
 
 
 if __name__ == "__main__":

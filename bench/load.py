@@ -2,20 +2,26 @@
 
 Lighter than an aiohttp client, so that the generator is not what limits a
 run. Every answer is kept whole and checked by :mod:`bench.validate`.
+
+``python -m bench.load`` is one generator process of a fan-out (:mod:`bench.scaling`,
+loads one core cannot send): it reads one JSON order a line from stdin
+(``{"port", "workload", "concurrency", "seconds"}``), drives it and writes the
+run as one JSON line (``{"invalid": why}`` for a wrong answer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import httptools
 import orjson
 
-from bench.validate import Ask, check_stream, check_whole, sse_payloads
+from bench.validate import Ask, Invalid, check_stream, check_whole, sse_payloads
 
 
 @dataclass
@@ -124,3 +130,30 @@ async def drive(
         check_stream(ask, payloads)
         run.units += len(payloads) - 1
     return run
+
+
+def _order(line: str) -> dict[str, Any]:
+    """Drive one order from the fan-out's parent; the run, or why an answer was wrong."""
+    import uvloop
+
+    from bench.relay import WORKLOADS  # not at the top: bench.relay imports this module
+
+    o = orjson.loads(line)
+    w = next(w for w in WORKLOADS if w.key == o["workload"])
+    try:
+        run = uvloop.run(drive("127.0.0.1", o["port"], o["concurrency"], o["seconds"], w.stream,
+                               w.asks))  # fmt: skip
+    except Invalid as e:
+        return {"invalid": str(e)}
+    return {"units": run.units, "requests": run.requests, "seconds": run.seconds,
+            "first": [round(f, 7) for f in run.first]}  # fmt: skip
+
+
+def main() -> None:
+    for line in sys.stdin:
+        sys.stdout.write(orjson.dumps(_order(line)).decode() + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,8 @@
-"""Relay benchmark: ft-proxy beside direct, nginx and vllm-router, in one run.
+"""Relay benchmark: ft-proxy beside direct, nginx, vllm-router and sglang-router, in one run.
 
 ``python -m bench.relay [--seconds S] [--reps N] [--only NAMES] [--versions REVS] [--lane-off]``
 (``make bench``). ``--versions``: earlier ft-proxy revisions beside this one, in the same run.
+``--workers 1,2,4,8``: the worker-scaling mode instead (:mod:`bench.scaling`).
 
 The fake rank (:mod:`bench.backend`, vLLM's exact bytes) and the load
 generator (:mod:`bench.load`) share one core; each relay under test runs alone
@@ -11,8 +12,8 @@ checked (:mod:`bench.validate`); a run that relayed anything wrong prints the
 first wrong answer and no figures.
 
 Baselines are installed on first use: nginx from Debian (``apt-get install
-nginx-light``) and vllm-router from PyPI into its own venv under
-``~/.cache/ftproxy-bench``. One that cannot be installed is skipped, saying why.
+nginx-light``), vllm-router and sglang-router from PyPI, each into its own
+venv under ``~/.cache/ftproxy-bench``. One that cannot be installed is skipped, saying why.
 The machine may be shared and noisy: compare ratios from one run.
 Writes bench/results/relay.{md,json,png}.
 """
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import IO
 
 from bench.load import Run, drive
 from bench.validate import Ask, Invalid
@@ -91,8 +93,9 @@ def wait_http(url: str, timeout: float = 60.0) -> None:
     raise TimeoutError(url)
 
 
-def pinned(core: int, cmd: list[str]) -> list[str]:
-    return ["taskset", "-c", str(core), *cmd] if shutil.which("taskset") else cmd
+def pinned(cores: int | str, cmd: list[str]) -> list[str]:
+    """``cmd`` on ``cores`` (one core, or a taskset list such as ``"0-3"``)."""
+    return ["taskset", "-c", str(cores), *cmd] if shutil.which("taskset") else cmd
 
 
 # -- targets: each returns (process, port) or raises Skip ----------------------
@@ -104,9 +107,11 @@ Start = Callable[[int, int, Path], subprocess.Popen[bytes]]
 
 
 def start_proxy(
-    backend: int, port: int, tmp: Path, tree: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    """ft-proxy from this checkout, or from ``tree`` (another version's), with ``env`` added."""
+    backend: int, port: int, tmp: Path, tree: Path | None = None, env: dict[str, str] | None = None,
+    *, cores: str = "0", workers: int = 1,
+) -> subprocess.Popen[bytes]:  # fmt: skip
+    """ft-proxy from this checkout, or from ``tree`` (another version's), with ``env`` added;
+    ``workers`` processes (``serve --workers``) on ``cores``."""
     cfg = tmp / f"ftproxy-{port}.yaml"
     cfg.write_text(
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
@@ -114,14 +119,14 @@ def start_proxy(
         "log_level: WARNING\n"
         "shutdown: {ready_delay_s: 0, grace_s: 1}\n"
     )
-    cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg)]
+    cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--workers", str(workers)]
     # The access log (on, as by default) writes a line per request: keep it
     # off the terminal, in the run's scratch directory.
     log = (tmp / f"ftproxy-{port}.log").open("wb")
     run_env = {**os.environ, **(env or {})}
     if tree is not None:
         run_env["PYTHONPATH"] = str(tree)
-    return subprocess.Popen(pinned(0, cmd), stdout=subprocess.DEVNULL, stderr=log,
+    return subprocess.Popen(pinned(cores, cmd), stdout=subprocess.DEVNULL, stderr=log,
                             cwd=tree, env=run_env)  # fmt: skip
 
 
@@ -154,11 +159,13 @@ def _nginx() -> str:
     raise Skip("nginx is not installed and apt-get install nginx-light failed")
 
 
-def start_nginx(backend: int, port: int, tmp: Path) -> subprocess.Popen[bytes]:
-    # One worker, no buffering, keep-alive to the rank: a fair streaming relay.
-    conf = tmp / "nginx.conf"
+def start_nginx(
+    backend: int, port: int, tmp: Path, *, cores: str = "0", workers: int = 1
+) -> subprocess.Popen[bytes]:
+    # One worker per core, no buffering, keep-alive to the rank: a fair streaming relay.
+    conf = tmp / f"nginx-{port}.conf"
     conf.write_text(f"""
-worker_processes 1; daemon off; pid {tmp}/nginx.pid; error_log stderr error;
+worker_processes {workers}; daemon off; pid {tmp}/nginx-{port}.pid; error_log stderr error;
 events {{ worker_connections 4096; }}
 http {{
   access_log off; client_body_temp_path {tmp}; proxy_temp_path {tmp};
@@ -171,32 +178,74 @@ http {{
   }}
 }}
 """)
-    return subprocess.Popen(pinned(0, [_nginx(), "-c", str(conf), "-e", "stderr"]))
+    return subprocess.Popen(pinned(cores, [_nginx(), "-c", str(conf), "-e", "stderr"]))
+
+
+def _venv_tool(venv_name: str, package: str, exe: str) -> Path:
+    """``exe`` of ``package``, installed from PyPI into its own venv on first use."""
+    venv = CACHE / venv_name
+    path = venv / "bin" / exe
+    if not path.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True)
+        if done.returncode == 0:
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", package],
+                           capture_output=True)  # fmt: skip
+    if not path.exists():
+        raise Skip(f"{package} could not be installed from PyPI")
+    return path
 
 
 def _router() -> Path:
-    exe = CACHE / "router-venv" / "bin" / "vllm-router"
-    if not exe.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        venv = CACHE / "router-venv"
-        done = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True)
-        if done.returncode == 0:
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "vllm-router"],
-                           capture_output=True)  # fmt: skip
-    if not exe.exists():
-        raise Skip("vllm-router could not be installed from PyPI")
-    return exe
+    return _venv_tool("router-venv", "vllm-router", "vllm-router")
 
 
-def start_router(backend: int, port: int, tmp: Path) -> subprocess.Popen[bytes]:
-    cmd = [str(_router()), "--host", "127.0.0.1", "--port", str(port),
-           "--worker-urls", f"http://127.0.0.1:{backend}", "--policy", "round_robin",
-           "--log-level", "error", "--log-dir", str(tmp)]  # fmt: skip
-    return subprocess.Popen(pinned(0, cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _log(tmp: Path, port: int) -> IO[bytes]:
+    """A relay's stderr, in the run's scratch directory, for :func:`why` to show."""
+    return (tmp / f"relay-{port}.log").open("wb")
+
+
+def why(proc: subprocess.Popen[bytes], tmp: Path, port: int) -> str:
+    """What a relay that never answered left behind: its exit status and its log's end."""
+    status = "still running" if proc.poll() is None else f"exit status {proc.returncode}"
+    logs = [f for f in tmp.glob(f"*{port}*.log") if f.stat().st_size]
+    tail = logs[0].read_bytes()[-600:].decode(errors="replace") if logs else "(no log)"
+    return f"{status}; log: {tail.strip()}"
+
+
+def _router_args(backend: int, port: int, tmp: Path) -> list[str]:
+    """The options vllm-router and sglang-router share (sglang-router is its upstream).
+    Each its own metrics port: both default to 29000, and the second to start died on it."""
+    return ["--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", f"http://127.0.0.1:{backend}", "--policy", "round_robin",
+            "--log-level", "error", "--log-dir", str(tmp),
+            "--prometheus-port", str(free_port())]  # fmt: skip
+
+
+def start_router(
+    backend: int, port: int, tmp: Path, *, cores: str = "0", workers: int = 1
+) -> subprocess.Popen[bytes]:
+    # No thread option: its runtime starts a thread per core it may run on (taskset).
+    cmd = [str(_router()), *_router_args(backend, port, tmp)]
+    return subprocess.Popen(pinned(cores, cmd), stdout=subprocess.DEVNULL, stderr=_log(tmp, port))
+
+
+def start_sglang(
+    backend: int, port: int, tmp: Path, *, cores: str = "0", workers: int = 1
+) -> subprocess.Popen[bytes]:
+    """sglang-router in front of the rank. At start it asks the rank for ``/server_info`` and
+    ``/model_info`` (then the older ``/get_*`` names); the fake rank, like vLLM, has neither
+    and answers 404, which it logs and goes on. No thread option either (as vllm-router)."""
+    python = _venv_tool("sglang-router-venv", "sglang-router", "python")
+    if subprocess.run([str(python), "-c", "import sglang_router"], capture_output=True).returncode:
+        raise Skip("sglang-router could not be installed from PyPI")
+    cmd = [str(python), "-m", "sglang_router.launch_router", *_router_args(backend, port, tmp)]
+    return subprocess.Popen(pinned(cores, cmd), stdout=subprocess.DEVNULL, stderr=_log(tmp, port))
 
 
 TARGETS: dict[str, Start | None] = {
-    "direct": None, "nginx": start_nginx, "vllm-router": start_router, "ft-proxy": start_proxy,
+    "direct": None, "nginx": start_nginx, "vllm-router": start_router,
+    "sglang-router": start_sglang, "ft-proxy": start_proxy,
 }  # fmt: skip
 
 
@@ -273,7 +322,8 @@ def run_all(
                 try:
                     wait_http(f"http://127.0.0.1:{port}/health")
                 except TimeoutError as e:
-                    print(f"-- {name} skipped: it did not answer {e}", file=sys.stderr)
+                    print(f"-- {name} skipped: it did not answer {e}: {why(proc, tmp, port)}",
+                          file=sys.stderr)  # fmt: skip
                     del procs[name]
                     proc.kill()
                     proc.wait(10)
@@ -385,8 +435,12 @@ def main() -> None:
     )
     parser.add_argument("--lane-off", action="store_true",
                         help="also measure ft-proxy with listen.fast_lane off")  # fmt: skip
+    parser.add_argument("--workers", default="", help="comma-separated W: relays on W cores")
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n in TARGETS]
+    if args.workers:
+        _scaling(args, names)
+        return
     with tempfile.TemporaryDirectory() as scratch:
         revs = [r for r in args.versions.split(",") if r]
         names += add_versions(revs, args.lane_off, Path(scratch))
@@ -408,6 +462,18 @@ def main() -> None:
     raw = {n: {k: vars(s) for k, s in ws.items()} for n, ws in res.items()}
     (args.out / "relay.json").write_text(json.dumps({"command": cmd, "results": raw}, indent=1))
     plot(res, args.out / "relay.png")
+
+
+def _scaling(args: argparse.Namespace, names: list[str]) -> None:
+    from bench import scaling  # it builds on this module
+
+    cmd = "python -m bench.relay " + " ".join(sys.argv[1:])
+    widths = [int(w) for w in args.workers.split(",") if w]
+    try:
+        scaling.run(widths, names, args.seconds, args.reps, args.out, cmd.strip())
+    except Invalid as e:
+        print(f"\nRUN REJECTED: a relayed answer was wrong, so no figures: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
