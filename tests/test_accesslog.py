@@ -93,6 +93,23 @@ async def test_four_requests_four_lines(fakes, proxy, http) -> None:
     assert metrics.continuations._sum.get() == 1
 
 
+async def test_a_continued_whole_answer_counts_its_tokens(fakes, proxy, http) -> None:
+    """A whole answer the rank aborted is completed by a continuation: its line
+    counts the continued answer's tokens (the book made for the continuation),
+    and a whole answer the rank never reached counts none generated."""
+    a = await fakes(name="a", token_delay_s=0.002, fault_after=7, auto_recover_s=0.1)
+    p = await proxy(settings_for([a], hold=HOLD, logging=JSON_LOGS))
+    out = capture(p)
+    whole = {"model": "fake-model", "prompt": "hello", "max_tokens": 30}
+    async with http.post(p.url + "/v1/completions", json=whole) as r:
+        assert r.status == 200
+        answer = await r.json()
+    assert answer["usage"]["completion_tokens"] == 30
+    (line,) = await lines(out, 1)
+    assert line["continuations"] == 1 and line["end"] == End.FINISHED
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (5, 30)
+
+
 async def test_access_log_off_writes_nothing(fakes, proxy, http) -> None:
     a = await fakes(name="a")
     p = await proxy(settings_for([a], logging={"access_log": False}))

@@ -45,12 +45,10 @@ KINDS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 async def forward(
     relay: Relay, reply: Reply, out: Outbound, kind: str, body: dict[str, Any]
 ) -> None:
-    book = Book.for_request(kind, body)
     out.route = relay.route_key(body, out.headers)
     asked = as_bool(body.get("return_token_ids"))
-    if (rec := accesslog.current()) is not None and (asked or not _echoes(kind, body)):
-        rec.tokens = partial(_tokens, book)  # else no ids to count
-    if not asked and not _echoes(kind, body):
+    echoes = _echoes(kind, body)
+    if not asked and not echoes:
         # The last of duplicate keys wins in JSON parsers (vLLM's included),
         # so appending is enough, and cheaper than re-serializing the body.
         raw = out.body.rstrip()
@@ -58,10 +56,20 @@ async def forward(
             b',"return_token_ids":true}' if body else b'"return_token_ids":true}'
         )
     out.stream = as_bool(body.get("stream"))
-    answer = _stream if out.stream else _whole
+    rec = accesslog.current() if asked or not echoes else None  # else no ids to count
+    if not out.stream:
+        # A whole answer needs its book only if the rank aborts it: most never do.
+        if rec is not None:
+            rec.tokens = _none_yet
+        async with relay.attempt(out) as attempt:
+            await _whole(relay, out, kind, body, reply, attempt)
+        return
+    book = Book.for_request(kind, body)
+    if rec is not None:
+        rec.tokens = partial(_tokens, book)
     refused = refusal(body)
     async with relay.attempt(out) as attempt:
-        await answer(relay, out, book, refused, reply, attempt)
+        await _stream(relay, out, book, refused, reply, attempt)
 
 
 def _echoes(kind: str, body: dict[str, Any]) -> bool:
@@ -92,8 +100,8 @@ async def _stream(
 async def _whole(
     relay: Relay,
     out: Outbound,
-    book: Book,
-    refused: Refusal | None,
+    kind: str,
+    body: dict[str, Any],
     reply: Reply,
     attempt: Attempt,
 ) -> None:
@@ -109,14 +117,17 @@ async def _whole(
     if raw is not None and (up.status != 200 or not ABORT.search(raw)):
         if (rec := accesslog.current()) is not None:
             rec.tokens, rec.usage_raw = None, raw  # the answer's own usage counts
-        if up.status == 200 and not book.wants_ids:
+        if up.status == 200 and not as_bool(body.get("return_token_ids")):
             raw = hide_ids(raw)
         return await reply.whole(up.status, response_headers(up.header_items()), raw)
     # The client has nothing yet: start over from the prompt (the aborted
     # partial answer is dropped, never kept and then generated again).
     attempt.uncount()  # its rank is done with the aborted answer
+    book = Book.for_request(kind, body)
+    if (rec := accesslog.current()) is not None and rec.tokens is not None:
+        rec.tokens = partial(_tokens, book)
     collector = Collector()
-    await HeldStream(relay, out, book, refused, collector).run(None)
+    await HeldStream(relay, out, book, refusal(body), collector).run(None)
     status, answer = _assemble(book, collector.events, _json(raw) if raw is not None else None)
     await reply.whole(status, CIMultiDict({"Content-Type": JSON}), answer)
 
@@ -151,6 +162,10 @@ def _check_encoding(up: RankResponse) -> None:
             f"the rank answered with Content-Encoding {encoding!r}, which the "
             "proxy does not read; it asks ranks for identity"
         )
+
+
+def _none_yet() -> tuple[int | None, int | None]:
+    return None, 0  # what a book counts before its first chunk
 
 
 def _tokens(book: Book) -> tuple[int | None, int | None]:
