@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the fixtures are test_siblings' own, imported)
 """REVIEW (failing on purpose until fixed): a worker ending while a scrape is
 between reading its socket and settling the files. The replica's counter must
 never go back from one scrape to the next (Prometheus reads a drop as a reset)."""
@@ -17,7 +18,7 @@ from tests.test_siblings import count, serving, up, value, worker  # noqa: F401
 REQ = 'ftproxy_requests_total{code="200",rank="r0"}'
 
 
-async def _two(worker, serving, tmp_path: Path) -> tuple[Metrics, Metrics]:  # noqa: ANN001, F811
+async def _two(worker, serving, tmp_path: Path) -> tuple[Metrics, Metrics]:
     a, b = worker(1001), worker(1002)
     count(a, 2, 0.01)
     count(b, 6, 0.01)
@@ -33,7 +34,7 @@ async def _two(worker, serving, tmp_path: Path) -> tuple[Metrics, Metrics]:  # n
 def _after_reading_b(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None]) -> None:
     real = siblings.read_sibling
 
-    async def read(path: Path, timeout_s: float = siblings.SIBLING_TIMEOUT_S):  # noqa: ANN202
+    async def read(path: Path, timeout_s: float = siblings.SIBLING_TIMEOUT_S):
         got = await real(path, timeout_s)
         if path.stem == "1002":
             then()
@@ -46,7 +47,7 @@ async def test_retired_between_read_and_settle_counts_once(
     worker,
     serving,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """b answers, then dies and is retired (supervisor) before this scrape settles
     (e.g. while it waits up to 1 s on a slow third sibling)."""
@@ -63,7 +64,7 @@ async def test_socket_gone_before_settle_keeps_what_was_exposed(
     worker,
     serving,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """b answers, then its socket goes (its serve task's finally, on a graceful
     stop) before this scrape settles; the supervisor retires it after."""
@@ -81,11 +82,11 @@ async def test_a_failed_write_does_not_drop_the_retired_counts(
     worker,
     serving,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One .last write failing (disk full) must not take every ended worker's
     counts out of this scrape: they come back on the next, a reset and a jump."""
-    a, b = await _two(worker, serving, tmp_path)
+    a, _b = await _two(worker, serving, tmp_path)
     c = worker(1003)
     count(c, 5, 0.01)
     serving(c)
@@ -105,7 +106,7 @@ async def test_a_failed_write_does_not_drop_the_retired_counts(
 
 async def test_a_junk_kind_from_a_sibling_does_not_fail_the_scrape(
     worker,
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     """A sibling's answer of the right json shape but an unknown metric type is
     'not of its shape': skipped, not a 500 for the whole /metrics."""
@@ -123,3 +124,27 @@ async def test_a_junk_kind_from_a_sibling_does_not_fail_the_scrape(
     finally:
         server.close()
     assert b"ftproxy_requests" in text
+
+
+async def test_a_siblings_labels_in_another_order_are_one_series(
+    worker,
+    tmp_path: Path,
+) -> None:
+    """The same series with its labels in another order must sum into one line:
+    two lines of one series and Prometheus refuses the whole scrape."""
+    a = worker(1001)
+    count(a, 1, 0.01)
+    series = b'["ftproxy_requests_total",[["rank","r0"],["code","200"]],4]'
+    junk = b'[["ftproxy_requests","counter","d",[' + series + b"]]]"
+
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(junk)
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_unix_server(answer, str(tmp_path / "1002.sock"))
+    try:
+        text = await a.exposition()
+    finally:
+        server.close()
+    assert value(text, REQ) == 5
