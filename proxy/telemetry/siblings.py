@@ -188,14 +188,19 @@ def _pid(path: Path) -> int | None:
     return int(path.stem) if path.stem.isdigit() else None
 
 
-def settle(folder: Path, fresh: dict[int, Families]) -> Families:
+def settle(folder: Path, fresh: dict[int, Families], me: int | None = None) -> Families:
     """Record what was just read of each worker (``fresh``, by pid) and return
     the counters and histograms of every worker not in it: alive but silent,
-    or dead and not yet retired (their ``.last``), and of the retired."""
+    or dead and not yet retired (their ``.last``), and of the retired. A sibling
+    whose socket went since it answered leaves ``fresh``: it is ending, and
+    only what is recorded (its ``.last``, then ``retired.json``) may count it,
+    else this scrape shows counts the next ones cannot (``me``: the caller)."""
     out: Families = {}
     with _locked(folder):
+        for pid in [p for p in fresh if p != me and not socket_path(folder, p).exists()]:
+            del fresh[pid]
         for pid, fams in fresh.items():
-            if (folder / f"{pid}.sock").exists():  # not retired meanwhile: it would count twice
+            if socket_path(folder, pid).exists():
                 last = folder / f"{pid}.last"
                 _write(last, _highest(_read(last), fams))
         for last in folder.glob("*.last"):
