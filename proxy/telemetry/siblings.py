@@ -39,6 +39,7 @@ from pathlib import Path
 
 import orjson
 from prometheus_client import Metric
+from prometheus_client.metrics_core import METRIC_TYPES
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("ftproxy.metrics")
@@ -104,9 +105,13 @@ def loads(raw: bytes) -> Families:
     """A sibling's or a file's families; ValueError (or its subclasses) if not of that shape."""
     out: Families = {}
     for name, kind, doc, samples in orjson.loads(raw):
-        fam = out[str(name)] = Family(str(name), str(kind), str(doc))
+        if kind not in METRIC_TYPES:  # exposing it would fail the whole scrape
+            raise ValueError(f"{str(name)[:60]!r}: no metric type {str(kind)[:20]!r}")
+        fam = out[str(name)] = Family(str(name), kind, str(doc))
         for sample, labels, value in samples:
-            fam.add((str(sample), tuple((str(k), str(v)) for k, v in labels)), float(value))
+            # Sorted as from_metrics sorts them: one series, one key.
+            key = tuple(sorted((str(k), str(v)) for k, v in labels))
+            fam.add((str(sample), key), float(value))
     return out
 
 
