@@ -148,3 +148,23 @@ async def test_a_siblings_labels_in_another_order_are_one_series(
     finally:
         server.close()
     assert value(text, REQ) == 5
+
+
+async def test_a_scrape_is_bounded_when_the_lock_is_held(
+    worker,
+    tmp_path: Path,
+) -> None:
+    """A process stopped (SIGSTOP, a frozen cgroup) while it holds the files' lock:
+    every scrape on every worker waits on it with no bound, each holding a thread of
+    the loop's default executor (which also resolves rank host names)."""
+    import fcntl
+
+    a = worker(1001)
+    count(a, 1, 0.01)
+    with (tmp_path / "lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released at the end of the block
+        try:
+            text = await asyncio.wait_for(a.exposition(), 3 * siblings.SIBLING_TIMEOUT_S)
+        except TimeoutError:
+            pytest.fail("the scrape waited on the lock past any bound")
+    assert value(text, REQ) == 1
