@@ -1,7 +1,8 @@
 # ruff: noqa: F811  (the fixtures are test_siblings' own, imported)
-"""REVIEW (failing on purpose until fixed): a worker ending while a scrape is
-between reading its socket and settling the files. The replica's counter must
-never go back from one scrape to the next (Prometheus reads a drop as a reset)."""
+"""Metrics across workers at their edges: a worker ending while a scrape is
+between reading its socket and settling the files, a failed write, a held lock,
+a sibling's odd answer. The replica's counter must never go back from one
+scrape to the next (Prometheus reads a drop as a reset), and a scrape is bounded."""
 
 from __future__ import annotations
 
