@@ -46,13 +46,29 @@ RESTART_MIN_INTERVAL_S = 1.0
 Worker = Callable[[Settings, Path | None, socket.socket, Path], int]
 
 
+# A Unix socket's path is at most 107 bytes (sun_path); the workers' sockets
+# live in the run directory: a long TMPDIR would leave them unbindable.
+_SOCKET_PATH_MAX = 107
+_LONGEST_NAME = "metrics/4194304.sock"  # pid_max's highest pid
+
+
+def _run_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="ftproxy-"))
+    if len(os.fsencode(path / _LONGEST_NAME)) <= _SOCKET_PATH_MAX:
+        return path
+    path.rmdir()
+    short = Path(tempfile.mkdtemp(prefix="ftproxy-", dir="/tmp"))
+    log.warning("TMPDIR is too long for the workers' Unix sockets; run directory: %s", short)
+    return short
+
+
 class Supervisor:
     def __init__(
         self, settings: Settings, config_path: Path | None, workers: int, worker: Worker
     ) -> None:
         self.settings, self.config_path, self.n = settings, config_path, workers
         self.worker = worker
-        self.run_dir = Path(tempfile.mkdtemp(prefix="ftproxy-"))
+        self.run_dir = _run_dir()
         self.metrics_dir = self.run_dir / "metrics"
         self.pids: dict[int, int] = {}  # pid -> slot
         self.started: dict[int, float] = {}  # slot -> when its worker last started

@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
+import socket
+import tempfile
 from typing import Any
 
 import aiohttp
 import pytest
 
+from proxy import supervisor
 from tests import replicas
 from tests.replicas import AUTH
 
@@ -200,3 +204,19 @@ async def test_rolling_restart_under_load_never_cuts_a_stream_silently(fakes, re
             on_victim, long = k < 2, k % 2 == 1
             assert ended == (on_victim and long)  # only the victim's long stream is ended
         assert await asyncio.wait_for(victim.proc.wait(), 10) == 0
+
+
+def test_a_long_tmpdir_still_gives_workers_bindable_sockets(tmp_path, monkeypatch) -> None:
+    """The workers' Unix sockets (metrics, the leader's) live in the run
+    directory; under a TMPDIR too long for a socket path it moves to /tmp."""
+    long_dir = tmp_path / ("d" * 100)
+    long_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
+    run_dir = supervisor._run_dir()
+    try:
+        assert not run_dir.is_relative_to(long_dir)
+        (run_dir / "metrics").mkdir()
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(run_dir / "metrics" / "4194304.sock"))
+    finally:
+        shutil.rmtree(run_dir)

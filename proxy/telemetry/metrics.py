@@ -281,7 +281,7 @@ class Metrics:
         }
         # File locks and writes: off the loop, which goes on relaying meanwhile.
         try:
-            rest = await asyncio.to_thread(siblings.settle, folder, fresh)
+            rest = await asyncio.to_thread(siblings.settle, folder, fresh, self.pid)
         except OSError as e:  # the run directory gone (the replica stops) or full
             siblings.log.warning("metrics: the last counts of ended workers left out: %s", e)
             rest = {}

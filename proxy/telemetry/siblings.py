@@ -34,11 +34,13 @@ import asyncio
 import contextlib
 import fcntl
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import orjson
 from prometheus_client import Metric
+from prometheus_client.metrics_core import METRIC_TYPES
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("ftproxy.metrics")
@@ -104,9 +106,13 @@ def loads(raw: bytes) -> Families:
     """A sibling's or a file's families; ValueError (or its subclasses) if not of that shape."""
     out: Families = {}
     for name, kind, doc, samples in orjson.loads(raw):
-        fam = out[str(name)] = Family(str(name), str(kind), str(doc))
+        if kind not in METRIC_TYPES:  # exposing it would fail the whole scrape
+            raise ValueError(f"{str(name)[:60]!r}: no metric type {str(kind)[:20]!r}")
+        fam = out[str(name)] = Family(str(name), kind, str(doc))
         for sample, labels, value in samples:
-            fam.add((str(sample), tuple((str(k), str(v)) for k, v in labels)), float(value))
+            # Sorted as from_metrics sorts them: one series, one key.
+            key = tuple(sorted((str(k), str(v)) for k, v in labels))
+            fam.add((str(sample), key), float(value))
     return out
 
 
@@ -156,10 +162,27 @@ class Exposition(Collector):
 
 # -- files: the last exposed counts of each worker, and of the dead ----------
 @contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
+def _locked(folder: Path, wait_s: float | None = None) -> Iterator[None]:
+    """The files' lock; with ``wait_s``, TimeoutError if a process (stopped,
+    frozen) holds it longer: a scrape is bounded, and holds no thread for good."""
     with (folder / "lock").open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        if wait_s is None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        else:
+            _flock_within(f.fileno(), wait_s)
         yield  # closing the file frees the lock
+
+
+def _flock_within(fd: int, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the metrics files' lock was held over {wait_s} s") from None
+            time.sleep(0.01)
 
 
 def _read(path: Path) -> Families:
@@ -188,16 +211,27 @@ def _pid(path: Path) -> int | None:
     return int(path.stem) if path.stem.isdigit() else None
 
 
-def settle(folder: Path, fresh: dict[int, Families]) -> Families:
+def settle(folder: Path, fresh: dict[int, Families], me: int | None = None) -> Families:
     """Record what was just read of each worker (``fresh``, by pid) and return
     the counters and histograms of every worker not in it: alive but silent,
-    or dead and not yet retired (their ``.last``), and of the retired."""
+    or dead and not yet retired (their ``.last``), and of the retired. A sibling
+    whose socket went since it answered leaves ``fresh``: it is ending, and
+    only what is recorded (its ``.last``, then ``retired.json``) may count it,
+    else this scrape shows counts the next ones cannot (``me``: the caller)."""
     out: Families = {}
-    with _locked(folder):
-        for pid, fams in fresh.items():
-            if (folder / f"{pid}.sock").exists():  # not retired meanwhile: it would count twice
-                last = folder / f"{pid}.last"
+    with _locked(folder, wait_s=SIBLING_TIMEOUT_S):
+        for pid in [p for p in fresh if p != me and not socket_path(folder, p).exists()]:
+            del fresh[pid]
+        for pid, fams in list(fresh.items()):
+            if not socket_path(folder, pid).exists():
+                continue  # the caller, ending: retired (or soon) from its .last
+            last = folder / f"{pid}.last"
+            try:
                 _write(last, _highest(_read(last), fams))
+            except OSError as e:  # the disk full, say: shown, it could not be shown again
+                log.warning("metrics: the counts of worker %d not recorded: %s", pid, e)
+                if pid != me:
+                    del fresh[pid]  # counted by what is recorded of it instead
         for last in folder.glob("*.last"):
             if _pid(last) not in fresh:
                 add(out, _read(last), monotonic_only=True)
