@@ -154,11 +154,12 @@ async def test_compose_up_stream_survives_a_fault(
         timer.lap("reference request")
 
         rank1 = compose.container("rank1")
-        running = asyncio.create_task(run_stream(url, "/v1/completions", BODY))
-        await asyncio.sleep(0.5)
-        # Rank 1 faults 30 DP steps from now: about a quarter into the stream.
+        # Armed while the group is idle: rank 1 reads the trigger at the next DP
+        # step, the stream's first, and faults 30 steps later, about a quarter in
+        # (armed after the stream began, a slow `podman exec` on a busy machine
+        # let the stream end first).
         engine.podman("exec", rank1, "sh", "-c", "echo 30 > /tmp/ftproxy-fault")
-        faulted = await asyncio.wait_for(running, 300)
+        faulted = await asyncio.wait_for(run_stream(url, "/v1/completions", BODY), 300)
         fired = engine.podman("exec", rank1, "cat", "/tmp/ftproxy-fault.fired").strip()
         assert fired, "rank 1 did not fault"
         assert faulted["errors"] == [] and faulted["finishes"] == ["length"], faulted
