@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,6 +106,21 @@ async def test_a_failed_write_does_not_drop_the_retired_counts(
     assert during >= before, f"counter went back {before} -> {during}"
 
 
+async def _scraped_beside(a: Any, path: Path, answer_bytes: bytes) -> bytes:
+    """``a``'s scrape while a sibling at ``path`` answers ``answer_bytes``."""
+
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(answer_bytes)
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_unix_server(answer, str(path))
+    try:
+        return bytes(await a.exposition())
+    finally:
+        server.close()
+
+
 async def test_a_junk_kind_from_a_sibling_does_not_fail_the_scrape(
     worker,
     tmp_path: Path,
@@ -114,16 +130,7 @@ async def test_a_junk_kind_from_a_sibling_does_not_fail_the_scrape(
     a = worker(1001)
     junk = b'[["x","bogus","d",[["x_total",[],1]]]]'
 
-    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        w.write(junk)
-        await w.drain()
-        w.close()
-
-    server = await asyncio.start_unix_server(answer, str(tmp_path / "1002.sock"))
-    try:
-        text = await a.exposition()
-    finally:
-        server.close()
+    text = await _scraped_beside(a, tmp_path / "1002.sock", junk)
     assert b"ftproxy_requests" in text
 
 
@@ -138,16 +145,7 @@ async def test_a_siblings_labels_in_another_order_are_one_series(
     series = b'["ftproxy_requests_total",[["rank","r0"],["code","200"]],4]'
     junk = b'[["ftproxy_requests","counter","d",[' + series + b"]]]"
 
-    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        w.write(junk)
-        await w.drain()
-        w.close()
-
-    server = await asyncio.start_unix_server(answer, str(tmp_path / "1002.sock"))
-    try:
-        text = await a.exposition()
-    finally:
-        server.close()
+    text = await _scraped_beside(a, tmp_path / "1002.sock", junk)
     assert value(text, REQ) == 5
 
 
