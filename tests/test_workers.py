@@ -26,6 +26,17 @@ def total(metrics: str, name: str) -> float:
     return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", metrics, re.M))
 
 
+async def _killed_and_replaced(rep: Any, victim: int) -> None:
+    """SIGKILL worker ``victim``; wait (up to 6 s) until the supervisor has
+    replaced it: two workers again, ``victim`` not among them."""
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(60):
+        now = rep.workers()
+        if victim not in now and len(now) == 2:
+            return
+        await asyncio.sleep(0.1)
+
+
 async def test_one_port_and_metrics_for_the_whole_replica(fakes, replica) -> None:
     a, b = await fakes(name="a"), await fakes(name="b")
     rep = await replica([a, b], workers=2)
@@ -51,13 +62,7 @@ async def test_a_killed_workers_counts_stay_in_the_replicas(fakes, replica) -> N
                 assert r.status == 200
     code, text = await rep.get("/metrics")  # what Prometheus saw
     assert code == 200 and total(text, "ftproxy_requests_total") == 20
-    victim = rep.workers()[0]
-    os.kill(victim, signal.SIGKILL)
-    for _ in range(60):
-        now = rep.workers()
-        if victim not in now and len(now) == 2:
-            break
-        await asyncio.sleep(0.1)
+    await _killed_and_replaced(rep, rep.workers()[0])
     await asyncio.sleep(0.3)
     for _ in range(6):  # either worker, the new one too: no drop, which would read as a reset
         code, text = await rep.get("/metrics")
@@ -106,12 +111,7 @@ async def test_a_dead_worker_is_replaced_and_leadership_moves(fakes, replica) ->
     a, b = await fakes(name="a"), await fakes(name="b")
     rep = await replica([a, b], workers=2, auto=True)
     for victim in list(rep.workers()):  # one of them led; both die in turn
-        os.kill(victim, signal.SIGKILL)
-        for _ in range(60):
-            now = rep.workers()
-            if victim not in now and len(now) == 2:
-                break
-            await asyncio.sleep(0.1)
+        await _killed_and_replaced(rep, victim)
         assert victim not in rep.workers() and len(rep.workers()) == 2
     for _ in range(50):
         if (await rep.get("/admin/rounds"))[0] == 200:
