@@ -21,7 +21,12 @@ from typing import Any, cast
 import httptools
 import orjson
 
-from bench.validate import Ask, Invalid, check_stream, check_whole, sse_payloads
+from bench.validate import Ask, Invalid, Stuck, check_stream, check_whole, sse_payloads
+
+# Past a run's end plus this, clients still waiting for an answer are stuck: the
+# run fails saying so rather than waiting forever on a relay (or rank) that
+# stopped answering.
+STUCK_S = 20.0
 
 
 @dataclass
@@ -98,32 +103,46 @@ async def drive(
 
     async def worker() -> None:
         conn: _Conn | None = None
-        while time.perf_counter() < deadline:
-            if conn is None or conn.lost or not conn.keep_alive:
-                if conn is not None and conn.transport is not None:
-                    conn.transport.close()
-                _, conn = await loop.create_connection(_Conn, host, port)
-            ask = next(turn)
-            t0 = time.perf_counter()
-            status, body, first = await conn.request(heads[ask], bodies[ask])
-            if stream:
-                if status != 200:
-                    check_whole(ask, status, body)  # raises with the error text
-                # Checked after the run: 64 streams ending together would
-                # otherwise stall the generator ~20 ms, and every other
-                # stream's first event with it.
-                streams.append((ask, body))
-            else:
-                check_whole(ask, status, body)
-                run.units += 1
-            run.requests += 1
-            run.first.append(first - t0)
-        if conn is not None and conn.transport is not None:
-            conn.transport.close()
+        try:
+            while time.perf_counter() < deadline:
+                conn = await one(conn)
+        finally:  # at the end, or cancelled as stuck
+            if conn is not None and conn.transport is not None:
+                conn.transport.close()
+
+    async def one(conn: _Conn | None) -> _Conn:
+        if conn is None or conn.lost or not conn.keep_alive:
+            if conn is not None and conn.transport is not None:
+                conn.transport.close()
+            _, conn = await loop.create_connection(_Conn, host, port)
+        ask = next(turn)
+        t0 = time.perf_counter()
+        waiting[0] += 1
+        status, body, first = await conn.request(heads[ask], bodies[ask])
+        waiting[0] -= 1
+        if stream:
+            if status != 200:
+                check_whole(ask, status, body)  # raises with the error text
+            # Checked after the run: 64 streams ending together would
+            # otherwise stall the generator ~20 ms, and every other
+            # stream's first event with it.
+            streams.append((ask, body))
+        else:
+            check_whole(ask, status, body)
+            run.units += 1
+        run.requests += 1
+        run.first.append(first - t0)
+        return conn
 
     streams: list[tuple[Ask, bytes]] = []
+    waiting = [0]  # clients whose request is sent and not yet answered
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    try:
+        async with asyncio.timeout(seconds + STUCK_S):
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+    except TimeoutError:
+        why = f"{waiting[0]} of {concurrency} clients had no answer {STUCK_S:g}s after the end"
+        raise Stuck(f"{why} (port {port})") from None
     run.seconds = time.perf_counter() - t0
     for ask, body in streams:
         payloads = sse_payloads(body)
@@ -143,8 +162,10 @@ def _order(line: str) -> dict[str, Any]:
     try:
         run = uvloop.run(drive("127.0.0.1", o["port"], o["concurrency"], o["seconds"], w.stream,
                                w.asks))  # fmt: skip
-    except Invalid as e:
-        return {"invalid": str(e)}
+    except Stuck as e:
+        return {"stuck": str(e)}
+    except (Invalid, OSError) as e:  # a reset or refused connection is a wrong run too
+        return {"invalid": str(e) or repr(e)}
     return {"units": run.units, "requests": run.requests, "seconds": run.seconds,
             "first": [round(f, 7) for f in run.first]}  # fmt: skip
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -31,9 +32,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
-from bench.load import Run
+from bench.load import STUCK_S, Run
 from bench.relay import (
     WORKLOADS,
     Skip,
@@ -47,7 +48,7 @@ from bench.relay import (
     wait_http,
     why,
 )
-from bench.validate import Invalid
+from bench.validate import Invalid, Stuck
 
 STREAMS_PER_CORE = 128  # 2 ms apart: 64,000 events/s offered per proxy core
 SMALL_PER_CORE = 64
@@ -115,14 +116,26 @@ class Loaders:
             order = {"port": port, "workload": workload, "concurrency": share, "seconds": seconds}
             _pipe(p.stdin).write(json.dumps(order) + "\n")
             _pipe(p.stdin).flush()
-        runs = [json.loads(_pipe(p.stdout).readline() or '{"invalid": "loader died"}')
-                for p in self.procs]  # fmt: skip
+        runs = [self._reply(p, seconds + STUCK_S + 10) for p in self.procs]
         for r in runs:
             if "invalid" in r:
                 raise Invalid(r["invalid"])
+        if stuck := [r["stuck"] for r in runs if "stuck" in r]:
+            raise Stuck(f"{len(stuck)} of {n} loaders: {stuck[0]}")
         first = [f for r in runs for f in r["first"]]
         return Run(sum(r["units"] for r in runs), sum(r["requests"] for r in runs),
                    max(r["seconds"] for r in runs), first)  # fmt: skip
+
+    @staticmethod
+    def _reply(p: subprocess.Popen[str], wait_s: float) -> dict[str, Any]:
+        """A loader's run; a loader silent past its own watchdog is stuck
+        itself (where it waits in the kernel is said, to find why)."""
+        out = _pipe(p.stdout)
+        if not select.select([out], [], [], wait_s)[0]:
+            wchan = Path(f"/proc/{p.pid}/wchan")
+            where = wchan.read_text() if wchan.exists() else "?"
+            return {"stuck": f"loader {p.pid} sent no run in {wait_s:g}s (waiting in {where})"}
+        return dict(json.loads(out.readline() or '{"invalid": "loader died"}'))
 
     def close(self) -> None:
         for p in self.procs:
@@ -213,8 +226,12 @@ def _start_targets(
     return procs
 
 
-def run_width(w: int, lay: Layout, names: list[str], seconds: float, reps: int) -> Result:
-    """Every target at W, interleaved repetition by repetition; medians."""
+def run_width(
+    w: int, lay: Layout, names: list[str], seconds: float, reps: int, notes: list[str]
+) -> Result:
+    """Every target at W, interleaved repetition by repetition; medians. A
+    target whose answers stop coming is measured no further at this W, and
+    ``notes`` says where it stopped."""
     with tempfile.TemporaryDirectory() as tmpdir, _backends(lay) as (bport, bpids):
         procs = _start_targets(names, w, lay, bport, Path(tmpdir))
         loaders = Loaders(lay.load)
@@ -223,11 +240,20 @@ def run_width(w: int, lay: Layout, names: list[str], seconds: float, reps: int) 
                 for wl in WORKLOADS:
                     loaders.drive(port, wl.key, 8 * w, 0.5)
             samples: dict[str, dict[str, list[Point]]] = {n: {} for n in procs}
+            stuck: set[str] = set()
             for rep in range(reps):
                 for wl in WORKLOADS:
                     for name, (port, p) in procs.items():
-                        pt = _measure(port, p.pid if p else None, w, lay, wl.key, seconds,
-                                      bpids, loaders)  # fmt: skip
+                        if name in stuck:
+                            continue
+                        try:
+                            pt = _measure(port, p.pid if p else None, w, lay, wl.key, seconds,
+                                          bpids, loaders)  # fmt: skip
+                        except Stuck as e:
+                            stuck.add(name)
+                            notes.append(f"W={w}: {name} stopped answering ({wl.key}): {e}")
+                            print(f"-- {notes[-1]}", file=sys.stderr)
+                            continue
                         samples[name].setdefault(wl.key, []).append(pt)
                         print(f"   W={w} rep {rep + 1} {wl.key:8} {name:13} {pt}", file=sys.stderr)
             return {n: {k: _median(v) for k, v in ws.items()} for n, ws in samples.items()}
@@ -244,9 +270,12 @@ def _f(x: float, fmt: str) -> str:
     return "-" if x != x else format(x, fmt)  # nan: not applicable
 
 
+_NONE = Point(*[float("nan")] * 5)  # a workload not measured (the target stopped answering)
+
+
 def _row(w: int, name: str, r: Result) -> str:
-    s, m = r[name]["streams"], r[name]["small"]
-    ds, dm = r["direct"]["streams"], r["direct"]["small"]
+    s, m = (r[name].get(k, _NONE) for k in ("streams", "small"))
+    ds, dm = (r["direct"].get(k, _NONE) for k in ("streams", "small"))
     busy = f"{s.backend_busy * 100:.0f} / {s.load_busy * 100:.0f}"
     return (f"| {w} | {name} | {s.rate:,.0f} | {s.rate / ds.rate:.2f} | {_f(s.cpu_us, '.1f')} "
             f"| {m.rate:,.0f} | {m.rate / dm.rate:.2f} | {_f(m.cpu_us, '.0f')} | {s.p99:.1f} "
@@ -319,7 +348,7 @@ def run(
             continue
         os.sched_setaffinity(0, set(lay.load))  # the parent beside its loaders
         layouts[w] = lay
-        res[w] = run_width(w, lay, names, seconds, reps)
+        res[w] = run_width(w, lay, names, seconds, reps, skipped)
     os.sched_setaffinity(0, set(cores))
     md = table(res, layouts, skipped, cmd)
     print("\n" + md)

@@ -38,6 +38,10 @@ class Invalid(Exception):
     """A relayed answer was wrong."""
 
 
+class Stuck(Invalid):
+    """Answers stopped coming: a run's clients still waited well past its end."""
+
+
 def sse_payloads(raw: bytes) -> list[bytes]:
     """The ``data`` payloads of a whole SSE body (comments dropped)."""
     out = []

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from aiohttp import web
 
+from bench import load
 from bench import vllm_bytes as vb
 from bench.backend import Conn
 from bench.load import drive
-from bench.validate import Ask, Invalid, check_stream, check_whole, sse_payloads
+from bench.validate import Ask, Invalid, Stuck, check_stream, check_whole, sse_payloads
 from proxy.core.settings import Settings
 from proxy.server import Running
 
@@ -163,6 +164,33 @@ async def test_a_run_through_a_wrong_relay_is_rejected(backend: int) -> None:
             await drive("127.0.0.1", port, 2, 0.2, True, ASKS, pace_s=0.0005)
     finally:
         await runner.cleanup()
+
+
+class _Silent(asyncio.Protocol):
+    """A relay that takes requests and never answers them."""
+
+    open: ClassVar[list[asyncio.BaseTransport]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.open.append(transport)
+
+
+async def test_a_run_through_a_relay_that_stops_answering_fails_as_stuck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run ends, saying so, instead of waiting forever (a benchmark that
+    hangs on one target loses every figure of the run)."""
+    monkeypatch.setattr(load, "STUCK_S", 0.2)
+    server = await asyncio.get_running_loop().create_server(_Silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(Stuck, match=f"3 of 3 clients had no answer .*port {port}"):
+            await asyncio.wait_for(drive("127.0.0.1", port, 3, 0.1, False, ASKS), 5)
+    finally:
+        for t in _Silent.open:
+            t.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_ft_proxy_relays_vllm_bytes_correctly(
