@@ -283,6 +283,9 @@ class RankResponse:
         self._conn: _Conn | None = conn
         self.status = 0
         self._raw_headers: list[tuple[bytes, bytes]] = []
+        # The first value of each field by its lower-case name: made once per
+        # answer, for the lookups every request makes (framing, length, type).
+        self._named: dict[bytes, bytes] = {}
         self.keep_alive = False
         self.complete = False
         self._until_eof = False
@@ -299,7 +302,8 @@ class RankResponse:
     # -- fed by the connection -------------------------------------------------
     def _headers_in(self, status: int, raw: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
         self.status, self._raw_headers, self.keep_alive = status, raw, keep_alive
-        framed = any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in raw)
+        named = self._named = {n.lower(): v for n, v in reversed(raw)}
+        framed = b"content-length" in named or b"transfer-encoding" in named
         self._until_eof = not framed and status >= 200 and status not in (204, 304)
         if status in (204, 304) and _frames_a_body(status, raw):
             # llhttp reads no body here, as it must; a rank whose head says
@@ -355,17 +359,18 @@ class RankResponse:
             await self._wait()
 
     def header_items(self) -> Iterator[tuple[str, str]]:
-        """The headers as sent, in order, without building a multidict;
-        values as :func:`_value` reads them."""
+        """The headers as sent, in order, without building a multidict. A
+        value's byte that is not UTF-8 is read as U+FFFD, never passed on raw
+        to the client. (Names are tokens, ASCII: llhttp refuses anything
+        else, as it refuses control bytes in values.)"""
         for n, v in self._raw_headers:
-            yield n.decode("latin-1"), _value(v)
+            yield n.decode("latin-1"), v.decode("utf-8", "replace")
 
     def header(self, name: bytes) -> str | None:
-        """The first value of header ``name`` (lower case), if any."""
-        for n, v in self._raw_headers:
-            if n.lower() == name:
-                return _value(v)
-        return None
+        """The first value of header ``name`` (lower case), if any, read as
+        :meth:`header_items` reads values."""
+        value = self._named.get(name)
+        return None if value is None else value.decode("utf-8", "replace")
 
     @property
     def content_length(self) -> int:
@@ -376,10 +381,10 @@ class RankResponse:
 
     @property
     def content_type(self) -> str:
-        for n, v in self._raw_headers:
-            if n.lower() == b"content-type":
-                return v.split(b";", 1)[0].strip().lower().decode("latin-1")
-        return "application/octet-stream"  # what aiohttp said for none
+        value = self._named.get(b"content-type")
+        if value is None:
+            return "application/octet-stream"  # what aiohttp said for none
+        return value.split(b";", 1)[0].strip().lower().decode("latin-1")
 
     def _take_buffered(self) -> bytes:
         """Everything buffered, joined; the rank's socket reads again if it
@@ -627,13 +632,6 @@ class RankClient:
             conn.close()
         self._idle_conns.clear()
         await asyncio.sleep(0)  # let the transports close
-
-
-def _value(raw: bytes) -> str:
-    """A header value as text: a byte that is not UTF-8 is read as U+FFFD,
-    never passed on raw to the client. (Names are tokens, ASCII: llhttp
-    refuses anything else, as it refuses control bytes in values.)"""
-    return raw.decode("utf-8", "replace")
 
 
 def _frames_a_body(status: int, raw: list[tuple[bytes, bytes]]) -> bool:
