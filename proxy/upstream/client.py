@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl as ssl_module
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn, cast
 
 import httptools
@@ -358,13 +358,12 @@ class RankResponse:
                 raise self._exc
             await self._wait()
 
-    def header_items(self) -> Iterator[tuple[str, str]]:
+    def header_items(self) -> list[tuple[str, str]]:
         """The headers as sent, in order, without building a multidict. A
         value's byte that is not UTF-8 is read as U+FFFD, never passed on raw
         to the client. (Names are tokens, ASCII: llhttp refuses anything
         else, as it refuses control bytes in values.)"""
-        for n, v in self._raw_headers:
-            yield n.decode("latin-1"), v.decode("utf-8", "replace")
+        return [(n.decode("latin-1"), v.decode("utf-8", "replace")) for n, v in self._raw_headers]
 
     def header(self, name: bytes) -> str | None:
         """The first value of header ``name`` (lower case), if any, read as
