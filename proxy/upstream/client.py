@@ -205,8 +205,10 @@ class _Conn(asyncio.Protocol):
             self.idle_handle.cancel()
             self.idle_handle = None
         self.response, self.got_bytes, self.head_bytes, self.dry = resp, False, 0, 0
-        self.last_read = self.pool.loop.time()
-        self._arm_read()
+        # first_read too: a check before this answer's first byte reads no earlier answer's.
+        self.last_read = self.first_read = self.pool.loop.time()
+        if self.read_handle is None:  # one armed for an earlier answer judges this one too
+            self._arm_read()
         self.transport.write(data)
 
     def _arm_read(self) -> None:
@@ -214,8 +216,9 @@ class _Conn(asyncio.Protocol):
             self.read_handle = self.pool.loop.call_at(self.last_read + read_s, self._read_check)
 
     def _read_check(self) -> None:
-        """Re-armed from the last read rather than reset on every read: one
-        timer per ``read_s``, not one per chunk."""
+        """Re-armed from the last read rather than reset on every read, and
+        kept from one answer to the next: one timer per ``read_s``, not one
+        per chunk or per request."""
         self.read_handle = None
         resp, read_s = self.response, self.pool.read_s
         if resp is None or resp.complete or read_s is None:
@@ -240,7 +243,6 @@ class _Conn(asyncio.Protocol):
     def done(self, reusable: bool) -> None:
         """The current answer is over: back to the pool, or closed."""
         self.response = None
-        self._stop_timers()
         # A request still partly unsent (the rank answered before reading it
         # all): its rest would reach the rank as the start of the next one.
         unsent = self.transport is not None and self.transport.get_write_buffer_size() > 0
