@@ -649,3 +649,28 @@ async def test_a_pooled_connection_judges_each_answer_from_its_own_sending(rank)
         await asyncio.wait_for(client.request("GET", url, CIMultiDict(), b""), 5)
     assert 0.45 < loop.time() - started < 1.5
     await client.close()
+
+
+async def test_a_pooled_connection_closes_once_idle_for_idle_s_counted_from_its_last_answer(
+    rank,
+) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(OK)
+
+    url = await rank(serve)
+    client = RankClient(connect_s=1.0, read_s=5.0, idle_s=0.4)
+
+    async def answered() -> None:
+        resp = await client.request("GET", url, CIMultiDict(), b"")
+        assert await resp.read() == b"{}"
+        resp.release()
+
+    await answered()
+    await asyncio.sleep(0.25)
+    await answered()  # on the pooled connection: idle from now, not from the first
+    await asyncio.sleep(0.3)  # 0.55 s after the first answer, 0.3 s after this one
+    assert len(client._all) == 1 and not next(iter(client._all)).closed
+    assert await until(lambda: not client._all, 2)  # closed once idle for idle_s
+    await client.close()

@@ -71,6 +71,7 @@ class _Conn(asyncio.Protocol):
         self.reused = False  # it answered a request before this one
         self.closed = False
         self.idle_handle: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0  # back in the pool (loop time)
         self.read_handle: asyncio.TimerHandle | None = None
         self.last_read = 0.0
         self.got_bytes = False  # of the current answer
@@ -201,9 +202,6 @@ class _Conn(asyncio.Protocol):
     # -- used by RankClient and RankResponse -----------------------------------
     def send(self, data: bytes, resp: RankResponse) -> None:
         assert self.transport is not None and self.response is None
-        if self.idle_handle is not None:
-            self.idle_handle.cancel()
-            self.idle_handle = None
         self.response, self.got_bytes, self.head_bytes, self.dry = resp, False, 0, 0
         # first_read too: a check before this answer's first byte reads no earlier answer's.
         self.last_read = self.first_read = self.pool.loop.time()
@@ -251,6 +249,18 @@ class _Conn(asyncio.Protocol):
             self.pool._idle(self)
         else:
             self.close()
+
+    def _idle_check(self) -> None:
+        """Closed once idle for the pool's ``idle_s``. One timer, not one per
+        answer: one that finds it busy leaves it to be armed when it is idle
+        again, one that finds it used since waits on for the rest."""
+        self.idle_handle = None
+        if self.response is None and not self.closed:
+            left = self.idle_since + self.pool.idle_s - self.pool.loop.time()
+            if left > 0:
+                self.idle_handle = self.pool.loop.call_later(left, self._idle_check)
+            else:
+                self.close()
 
     def pause(self) -> None:
         if self.transport is not None:
@@ -604,7 +614,9 @@ class RankClient:
 
     def _idle(self, conn: _Conn) -> None:
         self._idle_conns.setdefault(conn.key, []).append(conn)
-        conn.idle_handle = self.loop.call_later(self.idle_s, conn.close)
+        conn.idle_since = self.loop.time()
+        if conn.idle_handle is None:  # see _Conn._idle_check
+            conn.idle_handle = self.loop.call_later(self.idle_s, conn._idle_check)
         self._wake_slot(conn.key)
 
     def _lost(self, conn: _Conn) -> None:
