@@ -616,3 +616,61 @@ async def test_a_reader_slower_than_the_rank_is_no_silence_of_the_ranks(rank) ->
     assert asyncio.get_running_loop().time() - started < 1.5
     resp.close()
     await client.close()
+
+
+async def test_a_pooled_connection_judges_each_answer_from_its_own_sending(rank) -> None:
+    """One silence timer serves a connection's answers in turn: an answer slower
+    than an earlier one's timer allows, yet within read_s of its own sending,
+    is no timeout; a silent one times out within read_s of its sending."""
+    answers = [0.0, 0.35, None]  # seconds before each answer; None: never
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for delay in answers:
+            await read_request(reader)
+            if delay is None:
+                await asyncio.sleep(5)
+                return
+            await asyncio.sleep(delay)
+            writer.write(OK)
+
+    url, client, loop = await rank(serve), _client(read_s=0.5), asyncio.get_running_loop()
+
+    async def answered() -> None:
+        resp = await client.request("GET", url, CIMultiDict(), b"")
+        assert await resp.read() == b"{}"
+        resp.release()  # the connection back in the pool, for the next request
+
+    await answered()
+    await asyncio.sleep(0.3)  # the first answer's timer is due 0.2 s into the second
+    await answered()
+    assert len(client._all) == 1  # all three on one connection
+    started = loop.time()
+    with pytest.raises(ReadTimeout):
+        await asyncio.wait_for(client.request("GET", url, CIMultiDict(), b""), 5)
+    assert 0.45 < loop.time() - started < 1.5
+    await client.close()
+
+
+async def test_a_pooled_connection_closes_once_idle_for_idle_s_counted_from_its_last_answer(
+    rank,
+) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(OK)
+
+    url = await rank(serve)
+    client = RankClient(connect_s=1.0, read_s=5.0, idle_s=0.4)
+
+    async def answered() -> None:
+        resp = await client.request("GET", url, CIMultiDict(), b"")
+        assert await resp.read() == b"{}"
+        resp.release()
+
+    await answered()
+    await asyncio.sleep(0.25)
+    await answered()  # on the pooled connection: idle from now, not from the first
+    await asyncio.sleep(0.3)  # 0.55 s after the first answer, 0.3 s after this one
+    assert len(client._all) == 1 and not next(iter(client._all)).closed
+    assert await until(lambda: not client._all, 2)  # closed once idle for idle_s
+    await client.close()

@@ -234,11 +234,12 @@ class RankTable:
     def unknown_model(self, model: str | None) -> list[str] | None:
         """The names served, when every rank's list is known and none has
         ``model``; else None (the model may be served)."""
-        ranks = list(self.ranks.values())
-        if model is None or not ranks or any(r.models is None for r in ranks):
+        ranks = self.ranks.values()
+        if model is None or not ranks:
             return None
-        if any(model in (r.models or ()) for r in ranks):
-            return None  # the common case, per request: no set built
+        for r in ranks:  # a loop, not any(): this runs per request
+            if r.models is None or model in r.models:
+                return None  # the common case: no set built
         if self._served[0] != self.version:  # models learnt or ranks changed: notify()
             self._served = (self.version, sorted({m for r in ranks for m in r.models or ()}))
         return self._served[1]

@@ -62,7 +62,7 @@ async def forward(
         if rec is not None:
             rec.tokens = _none_yet
         async with relay.attempt(out) as attempt:
-            await _whole(relay, out, kind, body, reply, attempt)
+            await _whole(relay, out, kind, body, reply, attempt, asked)
         return
     book = Book.for_request(kind, body)
     if rec is not None:
@@ -104,6 +104,7 @@ async def _whole(
     body: dict[str, Any],
     reply: Reply,
     attempt: Attempt,
+    asked: bool,  # the client's return_token_ids
 ) -> None:
     up = attempt.response
     _check_encoding(up)
@@ -117,7 +118,7 @@ async def _whole(
     if raw is not None and (up.status != 200 or not ABORT.search(raw)):
         if (rec := accesslog.current()) is not None:
             rec.tokens, rec.usage_raw = None, raw  # the answer's own usage counts
-        if up.status == 200 and not as_bool(body.get("return_token_ids")):
+        if up.status == 200 and not asked:
             raw = hide_ids(raw)
         return await reply.whole(up.status, response_headers(up.header_items()), raw)
     # The client has nothing yet: start over from the prompt (the aborted

@@ -56,7 +56,8 @@ log = logging.getLogger("ftproxy.app")
 
 async def proxy_v1(request: Request) -> None:
     """An allow-listed serving endpoint (``routing.forward``): to one healthy rank."""
-    settings = request.app[SETTINGS]
+    relay = request.app[RELAY]  # with the app's settings and rank table (one lookup, not five)
+    settings = relay.settings
     check_api_key(request.headers, settings.api_keys)
     max_bytes, timeout_s = settings.limits.max_body_bytes, settings.limits.body_timeout_s
     parsed: dict[str, Any] = {}
@@ -64,22 +65,23 @@ async def proxy_v1(request: Request) -> None:
         body, parsed = await read_json(request, max_bytes, timeout_s)
     else:
         body = await request.body.read(max_bytes, timeout_s)
-    out, kind = _outbound(request, body, parsed)
+    out, kind = _outbound(request, relay, body, parsed)
     if kind is not None and request.method == "POST":
-        await generation.forward(request.app[RELAY], request.reply, out, kind, parsed)
+        await generation.forward(relay, request.reply, out, kind, parsed)
     else:
-        await request.app[RELAY].forward(request.reply, out)
+        await relay.forward(request.reply, out)
 
 
-def _outbound(request: Request, body: bytes, parsed: dict[str, Any]) -> tuple[Outbound, str | None]:
+def _outbound(
+    request: Request, relay: Relay, body: bytes, parsed: dict[str, Any]
+) -> tuple[Outbound, str | None]:
     """A serving request whose body is read (and, if JSON, parsed), checked:
     what goes upstream, and its generation kind if it is one."""
-    app = request.app
     if (rec := accesslog.current()) is not None and isinstance(parsed.get("model"), str):
         rec.model = parsed["model"][:200]
     # The route's own path (from the config), not the client's spelling of it.
     method, path, rid = request.method, request.route, request.request_id
-    strip_auth, key = bool(app[SETTINGS].api_keys), app[UPSTREAM].api_key
+    strip_auth, key = bool(relay.settings.api_keys), request.app[UPSTREAM].api_key
     headers = request_headers(request.headers, rid, strip_auth, key)
     out = Outbound(method, path, headers, body, rid)
     kind = generation.KINDS.get(path)
@@ -89,7 +91,7 @@ def _outbound(request: Request, body: bytes, parsed: dict[str, Any]) -> tuple[Ou
         # Only ranks serving it take the request and its continuations: a
         # continuation on another model would silently corrupt the answer.
         out.model = model
-        if (served := app[TABLE].unknown_model(model)) is not None:
+        if (served := relay.table.unknown_model(model)) is not None:
             raise ModelNotFound(model, served)
     return out, kind
 

@@ -88,8 +88,9 @@ class Drain:
     def enter(self) -> InFlight:
         """This task serves a request until :meth:`leave`: wait for it, or cut it."""
         entry = InFlight(asyncio.current_task())
+        if not self._in_flight:
+            self._idle.clear()  # else clear already: set only when the last one leaves
         self._in_flight.add(entry)
-        self._idle.clear()
         return entry
 
     def leave(self, entry: InFlight) -> None:

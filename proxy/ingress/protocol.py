@@ -466,8 +466,10 @@ class Connection(asyncio.Protocol):
             raise ValueError("an HTTP/1.1 request needs a Host header")
         # llhttp drops the whitespace before a value, the proxy the whitespace after it.
         return CIMultiDict(
-            (n.decode("latin-1"), v.rstrip(b" \t").decode("utf-8", "surrogateescape"))
-            for n, v in msg.headers
+            [
+                (n.decode("latin-1"), v.rstrip(b" \t").decode("utf-8", "surrogateescape"))
+                for n, v in msg.headers
+            ]
         )
 
     def on_body(self, body: bytes) -> None:

@@ -117,7 +117,8 @@ def request_headers(
         if lk in _HOP_BY_HOP or lk in _ENCODINGS or (strip_auth and lk == "authorization"):
             continue
         out.add(k, v)
-    _drop_named(out, named)
+    if named:  # most requests name nothing
+        _drop_named(out, named)
     # The proxy reads generation answers (holds, continuations): uncompressed.
     out["Accept-Encoding"] = "identity"
     out["X-Request-Id"] = request_id
@@ -136,7 +137,8 @@ def response_headers(upstream: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
             named.append(v)
         elif lk not in _HOP_BY_HOP:
             out.add(k, v)
-    _drop_named(out, named)
+    if named:
+        _drop_named(out, named)
     return out
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl as ssl_module
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn, cast
 
 import httptools
@@ -71,6 +71,7 @@ class _Conn(asyncio.Protocol):
         self.reused = False  # it answered a request before this one
         self.closed = False
         self.idle_handle: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0  # back in the pool (loop time)
         self.read_handle: asyncio.TimerHandle | None = None
         self.last_read = 0.0
         self.got_bytes = False  # of the current answer
@@ -201,12 +202,11 @@ class _Conn(asyncio.Protocol):
     # -- used by RankClient and RankResponse -----------------------------------
     def send(self, data: bytes, resp: RankResponse) -> None:
         assert self.transport is not None and self.response is None
-        if self.idle_handle is not None:
-            self.idle_handle.cancel()
-            self.idle_handle = None
         self.response, self.got_bytes, self.head_bytes, self.dry = resp, False, 0, 0
-        self.last_read = self.pool.loop.time()
-        self._arm_read()
+        # first_read too: a check before this answer's first byte reads no earlier answer's.
+        self.last_read = self.first_read = self.pool.loop.time()
+        if self.read_handle is None:  # one armed for an earlier answer judges this one too
+            self._arm_read()
         self.transport.write(data)
 
     def _arm_read(self) -> None:
@@ -214,8 +214,9 @@ class _Conn(asyncio.Protocol):
             self.read_handle = self.pool.loop.call_at(self.last_read + read_s, self._read_check)
 
     def _read_check(self) -> None:
-        """Re-armed from the last read rather than reset on every read: one
-        timer per ``read_s``, not one per chunk."""
+        """Re-armed from the last read rather than reset on every read, and
+        kept from one answer to the next: one timer per ``read_s``, not one
+        per chunk or per request."""
         self.read_handle = None
         resp, read_s = self.response, self.pool.read_s
         if resp is None or resp.complete or read_s is None:
@@ -240,7 +241,6 @@ class _Conn(asyncio.Protocol):
     def done(self, reusable: bool) -> None:
         """The current answer is over: back to the pool, or closed."""
         self.response = None
-        self._stop_timers()
         # A request still partly unsent (the rank answered before reading it
         # all): its rest would reach the rank as the start of the next one.
         unsent = self.transport is not None and self.transport.get_write_buffer_size() > 0
@@ -249,6 +249,18 @@ class _Conn(asyncio.Protocol):
             self.pool._idle(self)
         else:
             self.close()
+
+    def _idle_check(self) -> None:
+        """Closed once idle for the pool's ``idle_s``. One timer, not one per
+        answer: one that finds it busy leaves it to be armed when it is idle
+        again, one that finds it used since waits on for the rest."""
+        self.idle_handle = None
+        if self.response is None and not self.closed:
+            left = self.idle_since + self.pool.idle_s - self.pool.loop.time()
+            if left > 0:
+                self.idle_handle = self.pool.loop.call_later(left, self._idle_check)
+            else:
+                self.close()
 
     def pause(self) -> None:
         if self.transport is not None:
@@ -283,6 +295,9 @@ class RankResponse:
         self._conn: _Conn | None = conn
         self.status = 0
         self._raw_headers: list[tuple[bytes, bytes]] = []
+        # The first value of each field by its lower-case name: made once per
+        # answer, for the lookups every request makes (framing, length, type).
+        self._named: dict[bytes, bytes] = {}
         self.keep_alive = False
         self.complete = False
         self._until_eof = False
@@ -299,7 +314,8 @@ class RankResponse:
     # -- fed by the connection -------------------------------------------------
     def _headers_in(self, status: int, raw: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
         self.status, self._raw_headers, self.keep_alive = status, raw, keep_alive
-        framed = any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in raw)
+        named = self._named = {n.lower(): v for n, v in reversed(raw)}
+        framed = b"content-length" in named or b"transfer-encoding" in named
         self._until_eof = not framed and status >= 200 and status not in (204, 304)
         if status in (204, 304) and _frames_a_body(status, raw):
             # llhttp reads no body here, as it must; a rank whose head says
@@ -354,18 +370,18 @@ class RankResponse:
                 raise self._exc
             await self._wait()
 
-    def header_items(self) -> Iterator[tuple[str, str]]:
-        """The headers as sent, in order, without building a multidict;
-        values as :func:`_value` reads them."""
-        for n, v in self._raw_headers:
-            yield n.decode("latin-1"), _value(v)
+    def header_items(self) -> list[tuple[str, str]]:
+        """The headers as sent, in order, without building a multidict. A
+        value's byte that is not UTF-8 is read as U+FFFD, never passed on raw
+        to the client. (Names are tokens, ASCII: llhttp refuses anything
+        else, as it refuses control bytes in values.)"""
+        return [(n.decode("latin-1"), v.decode("utf-8", "replace")) for n, v in self._raw_headers]
 
     def header(self, name: bytes) -> str | None:
-        """The first value of header ``name`` (lower case), if any."""
-        for n, v in self._raw_headers:
-            if n.lower() == name:
-                return _value(v)
-        return None
+        """The first value of header ``name`` (lower case), if any, read as
+        :meth:`header_items` reads values."""
+        value = self._named.get(name)
+        return None if value is None else value.decode("utf-8", "replace")
 
     @property
     def content_length(self) -> int:
@@ -376,10 +392,10 @@ class RankResponse:
 
     @property
     def content_type(self) -> str:
-        for n, v in self._raw_headers:
-            if n.lower() == b"content-type":
-                return v.split(b";", 1)[0].strip().lower().decode("latin-1")
-        return "application/octet-stream"  # what aiohttp said for none
+        value = self._named.get(b"content-type")
+        if value is None:
+            return "application/octet-stream"  # what aiohttp said for none
+        return value.split(b";", 1)[0].strip().lower().decode("latin-1")
 
     def _take_buffered(self) -> bytes:
         """Everything buffered, joined; the rank's socket reads again if it
@@ -598,7 +614,9 @@ class RankClient:
 
     def _idle(self, conn: _Conn) -> None:
         self._idle_conns.setdefault(conn.key, []).append(conn)
-        conn.idle_handle = self.loop.call_later(self.idle_s, conn.close)
+        conn.idle_since = self.loop.time()
+        if conn.idle_handle is None:  # see _Conn._idle_check
+            conn.idle_handle = self.loop.call_later(self.idle_s, conn._idle_check)
         self._wake_slot(conn.key)
 
     def _lost(self, conn: _Conn) -> None:
@@ -627,13 +645,6 @@ class RankClient:
             conn.close()
         self._idle_conns.clear()
         await asyncio.sleep(0)  # let the transports close
-
-
-def _value(raw: bytes) -> str:
-    """A header value as text: a byte that is not UTF-8 is read as U+FFFD,
-    never passed on raw to the client. (Names are tokens, ASCII: llhttp
-    refuses anything else, as it refuses control bytes in values.)"""
-    return raw.decode("utf-8", "replace")
 
 
 def _frames_a_body(status: int, raw: list[tuple[bytes, bytes]]) -> bool:
