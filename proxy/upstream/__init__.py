@@ -42,7 +42,8 @@ _HOP_BY_HOP = frozenset(
 
 # The body goes on decoded (proxy.ingress.inbound), so its encoding header does not;
 # the client's Accept-Encoding is not the proxy's (see request_headers).
-_ENCODINGS = frozenset({"content-encoding", "accept-encoding"})
+_NOT_TO_RANK = _HOP_BY_HOP | {"content-encoding", "accept-encoding"}
+_NOT_TO_RANK_NOR_AUTH = _NOT_TO_RANK | {"authorization"}
 
 
 def make_rank_client(
@@ -108,17 +109,7 @@ def request_headers(
     """A client's headers for the rank. With ``rank_key`` the rank gets its
     own key, never the client's (which may be the proxy's, or none)."""
     strip_auth = strip_auth or rank_key is not None
-    out: CIMultiDict[str] = CIMultiDict()
-    named: list[str] = []
-    for k, v in incoming.items():
-        lk = k.lower()
-        if lk == "connection":
-            named.append(v)
-        if lk in _HOP_BY_HOP or lk in _ENCODINGS or (strip_auth and lk == "authorization"):
-            continue
-        out.add(k, v)
-    if named:  # most requests name nothing
-        _drop_named(out, named)
+    out = _this_hop_dropped(incoming.items(), _NOT_TO_RANK_NOR_AUTH if strip_auth else _NOT_TO_RANK)
     # The proxy reads generation answers (holds, continuations): uncompressed.
     out["Accept-Encoding"] = "identity"
     out["X-Request-Id"] = request_id
@@ -129,22 +120,24 @@ def request_headers(
 
 def response_headers(upstream: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
     """A rank's answer headers (``RankResponse.header_items()``) for the client."""
+    return _this_hop_dropped(upstream, _HOP_BY_HOP)
+
+
+def _this_hop_dropped(
+    headers: Iterable[tuple[str, str]], dropped: frozenset[str]
+) -> CIMultiDict[str]:
+    """``headers`` without those named in ``dropped`` (lower case) and those
+    a ``Connection`` header names: RFC 9110 §7.6.1, they are this hop's
+    (``Connection: keep-alive, X-Secret``), never forwarded."""
     out: CIMultiDict[str] = CIMultiDict()
     named: list[str] = []
-    for k, v in upstream:
+    for k, v in headers:
         lk = k.lower()
         if lk == "connection":
             named.append(v)
-        elif lk not in _HOP_BY_HOP:
+        elif lk not in dropped:
             out.add(k, v)
-    if named:
-        _drop_named(out, named)
-    return out
-
-
-def _drop_named(headers: CIMultiDict[str], connection: list[str]) -> None:
-    """RFC 9110 §7.6.1: the fields a ``Connection`` header names are this
-    hop's (``Connection: keep-alive, X-Secret``), never forwarded."""
-    for value in connection:
+    for value in named:  # most requests name nothing
         for name in value.split(","):
-            headers.popall(name.strip(), None)
+            out.popall(name.strip(), None)
+    return out
