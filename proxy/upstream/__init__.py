@@ -55,16 +55,6 @@ def make_rank_client(
     return RankClient(t.connect_s, t.read_s, t.upstream_idle_s, per_rank, tls, t.queue_s)
 
 
-# Answers are asked for uncompressed (proxy.upstream.bounded), whatever is sent.
-_IDENTITY = {"Accept-Encoding": "identity"}
-_JSON = {**_IDENTITY, "Content-Type": "application/json"}
-
-
-def _side_headers(base: dict[str, str], api_key: str | None) -> CIMultiDictProxy[str]:
-    auth = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
-    return CIMultiDictProxy(CIMultiDict({**base, **auth}))
-
-
 class Upstream:
     """Every connection to the ranks. Must be made with the loop running.
 
@@ -86,8 +76,14 @@ class Upstream:
         self.relay = make_rank_client(t, per_rank, tls)
         self.side = make_rank_client(t, per_rank, tls)
         self.api_key = api_key  # read at start, as TLS: a reload keeps it
-        self._get_headers = _side_headers(_IDENTITY, api_key)
-        self._post_headers = _side_headers(_JSON, api_key)
+        # Answers are asked for uncompressed (proxy.upstream.bounded), whatever is sent.
+        get = {"Accept-Encoding": "identity"}
+        if api_key is not None:
+            get["Authorization"] = f"Bearer {api_key}"
+        self._get_headers = CIMultiDictProxy(CIMultiDict(get))
+        self._post_headers = CIMultiDictProxy(
+            CIMultiDict({**get, "Content-Type": "application/json"})
+        )
 
     async def get(self, rank_url: str, path: str, bound: Bound) -> Answer:
         """``GET path`` of the rank, its answer read whole within ``bound``."""
