@@ -34,9 +34,7 @@ async def supervised(
         try:
             await run()
             return
-        except asyncio.CancelledError:
-            raise
-        except Exception:
+        except Exception:  # not a cancellation: that is a BaseException
             log.exception("background task %s died; restarting it", name)
         if restarts is not None:
             restarts.labels(name).inc()
