@@ -63,8 +63,7 @@ class SSEParser:
                 return [chunk[6:-2]]
             buf = chunk
         else:
-            probe = self._tail + chunk[:3] if len(chunk) >= 3 else self._tail + chunk
-            if not _has_end(probe) and not _has_end(chunk):
+            if not _has_end(self._tail + chunk[:3]) and not _has_end(chunk):
                 self._keep(chunk)
                 return []
             self._parts.append(chunk)
