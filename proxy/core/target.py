@@ -25,7 +25,7 @@ from proxy.core.errors import InvalidTarget
 
 # Bytes that may never appear percent-encoded in a path.
 _NO_ENCODED = frozenset(b"/\\.%") | frozenset(range(0x20)) | {0x7F}
-_HEX = frozenset(b"0123456789abcdefABCDEF")
+_ESCAPE = re.compile(r"%([0-9a-fA-F]{2})?")  # no hex digits after it: malformed
 _VISIBLE = re.compile(r"[!-~]*")  # visible ASCII: no space, controls, NUL, 8-bit
 
 
@@ -49,16 +49,14 @@ def check_target(raw: str) -> str:
 
 
 def _check_escapes(part: str, in_path: bool) -> None:
-    i = part.find("%")
-    while i >= 0:
-        hexes = part[i + 1 : i + 3].encode()
-        if len(hexes) != 2 or not all(c in _HEX for c in hexes):
+    for escape in _ESCAPE.finditer(part):
+        if escape[1] is None:
             raise InvalidTarget("the request target has a malformed percent-encoding")
-        if in_path and int(hexes, 16) in _NO_ENCODED:
+        byte = int(escape[1], 16)
+        if in_path and byte in _NO_ENCODED:
             raise InvalidTarget("the request path percent-encodes a separator, dot or control")
-        if not in_path and int(hexes, 16) == 0:
+        if not in_path and byte == 0:
             raise InvalidTarget("the request query has an encoded NUL")
-        i = part.find("%", i + 3)
 
 
 def upstream_url(base: str, path: str) -> URL:
