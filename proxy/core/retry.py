@@ -90,14 +90,13 @@ class Attempts:
         if policy.budget_s is not None:
             self.deadline = min(self.deadline, clock() + policy.budget_s)
         self.number = 0  # tries started (since the last reset)
-        self._started = False
         self._wait: float | None = None  # the wait before the next try, drawn once
 
     def __aiter__(self) -> Attempts:
         return self
 
     async def __anext__(self) -> int:
-        if self._started:
+        if self.number:  # a try ran: the next one waits
             wait = self.next_wait()
             if wait is None:
                 raise StopAsyncIteration
@@ -105,7 +104,6 @@ class Attempts:
             self._wait = None
             if self.left() <= 0:
                 raise StopAsyncIteration
-        self._started = True
         self.number += 1
         return self.number
 
