@@ -292,16 +292,9 @@ class RankTable:
             self.notify()
         return status_applied if status is not None else applied
 
-    def eject(self, name: str, reason: str) -> bool:
-        """Take a rank that says healthy out of rotation; False if it is gone
-        or out already."""
-        return self._set_ejected(name, reason)
-
-    def readmit(self, name: str) -> bool:
-        """Put an ejected rank back; False if it was not ejected."""
-        return self._set_ejected(name, None)
-
-    def _set_ejected(self, name: str, reason: str | None) -> bool:
+    def set_ejected(self, name: str, reason: str | None) -> bool:
+        """Take a rank that says healthy out of rotation (``reason``), or put
+        it back (None); False if it is gone, or out (or in) already."""
         rank = self.ranks.get(name)
         if rank is None or (rank.ejected is None) == (reason is None):
             return False
