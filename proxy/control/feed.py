@@ -79,18 +79,11 @@ class Poller:
     """One task per rank: poll its FT status every interval."""
 
     def __init__(
-        self,
-        table: RankTable,
-        upstream: Upstream,
-        t: Timeouts,
-        metrics: Metrics | None = None,
-        limits: Limits | None = None,
+        self, table: RankTable, upstream: Upstream, t: Timeouts, metrics: Metrics, limits: Limits
     ) -> None:
         self.table, self.upstream, self.t = table, upstream, t
-        self.restarts = metrics.task_restarts if metrics is not None else None
-        max_bytes = (limits or Limits()).max_status_bytes
-        counter = metrics.too_large if metrics is not None else None
-        self.bound = Bound("status", max_bytes, t.poll_timeout_s, counter)
+        self.restarts = metrics.task_restarts
+        self.bound = Bound("status", limits.max_status_bytes, t.poll_timeout_s, metrics.too_large)
         self._lost: set[str] = set()  # FT ranks whose status path answered 404 or 401 (warned)
 
     async def run(self) -> None:
