@@ -324,8 +324,10 @@ class Etcd(Coordination):
             # A live process may not be in the members read yet: a key naming
             # no member is taken only once it has stayed so for two ticks.
             fair = len(mine) < share and holder is None
-            if (fair or self._unled[group] > 2) and await self._campaign(
-                group, revisions.get(group, 0)
+            # Taken by a compare-and-swap: absent (revision 0), or still as read.
+            key, revision = self._key("leader", group), revisions.get(group, 0)
+            if (fair or self._unled[group] > 2) and await self.client.create(
+                key, self.me, self.lease, mod_revision=revision
             ):
                 mine.append(group)
                 self._lead(group)
@@ -372,12 +374,6 @@ class Etcd(Coordination):
         log.info("%s leads recovery of group %s (etcd lease %s)", self.me, group, self.lease)
         self._leads[group].set()
         self._leader.set()
-
-    async def _campaign(self, group: str, revision: int) -> bool:
-        """Take the group's leader key: absent (``revision`` 0), or still as read."""
-        assert self.lease is not None
-        key = self._key("leader", group)
-        return await self.client.create(key, self.me, self.lease, mod_revision=revision)
 
     async def close(self) -> None:
         self._step_down("stopping", logging.INFO)
