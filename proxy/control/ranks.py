@@ -34,7 +34,6 @@ from enum import StrEnum
 from typing import Any
 
 from proxy.core.settings import GroupConfig
-from proxy.core.tasks import wait_event
 
 
 class RankStatus(StrEnum):
@@ -324,14 +323,10 @@ class RankTable:
 
         ``timeout=None`` waits as long as it takes.
         """
-        deadline = time.monotonic() + (timeout if timeout is not None else 0)
-        while not predicate():
-            if timeout is None:
-                await self._changed.wait()
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            if not await wait_event(self._changed, remaining):
-                return predicate()
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate():
+                    await self._changed.wait()
+        except TimeoutError:
+            return predicate()
         return True
