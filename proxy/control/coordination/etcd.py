@@ -69,7 +69,7 @@ from proxy.control.recovery import Outcome, RankReport, Recovery, RoundReport, R
 from proxy.core.errors import EtcdError, RoundInProgress
 from proxy.core.retry import RetryPolicy
 from proxy.core.settings import EtcdConfig
-from proxy.core.tasks import supervised, wait_event
+from proxy.core.tasks import supervised
 from proxy.upstream.bounded import parse_json
 
 __all__ = ["Client", "Etcd"]  # Client: the gateway's, for callers of this module
@@ -233,12 +233,10 @@ class Etcd(Coordination):
     async def wait_change(self, what: str, seen: int, at_most: float | None = None) -> None:
         if at_most is None:
             at_most = RESYNC_S if self.watching else POLL_S
-        deadline = asyncio.get_running_loop().time() + at_most
-        while self._seq[what] == seen:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return
-            await wait_event(self._wake, left)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(at_most):
+                while self._seq[what] == seen:
+                    await self._wake.wait()
 
     def _changed_all(self) -> None:
         """Anything may have changed (the watch began, or a message of it was
