@@ -10,12 +10,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from proxy.control.feed import PushFeed
+from proxy.control.pushwire import FeedMessage
 from proxy.control.ranks import RankTable
 from proxy.core.settings import Settings, Timeouts
 from proxy.ingress.state import ACCESS_LOG, METRICS
@@ -171,8 +173,8 @@ def test_feed_heartbeat_age_per_rank() -> None:
     table = RankTable(settings.groups)
     metrics = Metrics(table)
     assert b"ftproxy_feed_heartbeat_age_seconds{" not in metrics.render()  # never heard yet
-    PushFeed(table, Timeouts(), metrics)._apply("fed", {"kind": "heartbeat", "engines": [
-        {"id": 0, "status": "healthy"}]})  # fmt: skip
+    heartbeat = FeedMessage("heartbeat", "boot", 0, time.time(), [{"id": 0, "status": "healthy"}])
+    PushFeed(table, Timeouts(), metrics)._apply("fed", heartbeat)
     table.ranks["fed"].pushed_at -= 7.0  # heard 7 s ago
     text = metrics.render().decode()
     (line,) = [x for x in text.splitlines() if x.startswith("ftproxy_feed_heartbeat_age")]

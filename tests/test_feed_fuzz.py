@@ -22,7 +22,7 @@ from proxy.control.feed import Poller, PushFeed
 from proxy.control.pushwire import Dropped, Sequencer, parse
 from proxy.control.ranks import RankStatus, RankTable
 from proxy.core import tasks
-from proxy.core.settings import Settings, Timeouts
+from proxy.core.settings import Limits, Settings, Timeouts
 from proxy.telemetry.metrics import Metrics
 from proxy.upstream import Upstream
 
@@ -207,7 +207,7 @@ async def test_poller_turns_every_bad_answer_into_not_routable(status_server) ->
     t = Timeouts(poll_timeout_s=0.2)
     upstream = Upstream(t)
     try:
-        poller = Poller(table, upstream, t)
+        poller = Poller(table, upstream, t, Metrics(table), Limits())
         rank = table.ranks["r"]
         for mode in ("500", "html", "truncated", "deep", "shape", "slow"):
             status_server.mode = "ok"

@@ -34,7 +34,6 @@ from proxy.control.engines import (
     sglang,
     summarize,
 )
-from proxy.control.pushwire import Sequencer
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
 from proxy.core.errors import BadJSON, RankError
 from proxy.core.settings import Limits, Timeouts
@@ -80,18 +79,11 @@ class Poller:
     """One task per rank: poll its FT status every interval."""
 
     def __init__(
-        self,
-        table: RankTable,
-        upstream: Upstream,
-        t: Timeouts,
-        metrics: Metrics | None = None,
-        limits: Limits | None = None,
+        self, table: RankTable, upstream: Upstream, t: Timeouts, metrics: Metrics, limits: Limits
     ) -> None:
         self.table, self.upstream, self.t = table, upstream, t
-        self.restarts = metrics.task_restarts if metrics is not None else None
-        max_bytes = (limits or Limits()).max_status_bytes
-        counter = metrics.too_large if metrics is not None else None
-        self.bound = Bound("status", max_bytes, t.poll_timeout_s, counter)
+        self.restarts = metrics.task_restarts
+        self.bound = Bound("status", limits.max_status_bytes, t.poll_timeout_s, metrics.too_large)
         self._lost: set[str] = set()  # FT ranks whose status path answered 404 or 401 (warned)
 
     async def run(self) -> None:
@@ -208,7 +200,7 @@ def _json_or_none(answer: Answer) -> Any:
 MAX_PUSH_AGE_S = 5.0
 
 
-def _published_at(ts: object, now: float) -> float | None:
+def _published_at(ts: float, now: float) -> float | None:
     """When a push was published, on the monotonic clock; None: when read.
     A heartbeat published before a fault but read after a poll that saw it
     (the loop busy, the socket's queue) is older than that poll's answer:
@@ -216,9 +208,7 @@ def _published_at(ts: object, now: float) -> float | None:
     group. The publisher's clock is the proxy's on one host and close under
     NTP; a stamp in the future or over MAX_PUSH_AGE_S old says the clocks
     differ, and the read time stands."""
-    if not isinstance(ts, int | float) or isinstance(ts, bool):
-        return None
-    age = now - float(ts)
+    age = now - ts
     if not 0.0 <= age <= MAX_PUSH_AGE_S:
         return None
     return time.monotonic() - age
@@ -248,7 +238,7 @@ class PushFeed:
         sock.setsockopt(zmq.SUBSCRIBE, protocol.TOPIC)
         sock.connect(address)
         silence_s = protocol.HEARTBEAT_INTERVAL_S * self.t.feed_silence_intervals
-        order = Sequencer()
+        order = pushwire.Sequencer()
         # Silence is measured from the last message taken: a stream of junk
         # is silence too.
         deadline = time.monotonic() + silence_s
@@ -265,29 +255,29 @@ class PushFeed:
             with contextlib.suppress(Exception):
                 sock.close()
 
-    def _take(self, name: str, frames: list[bytes], order: Sequencer) -> bool:
+    def _take(self, name: str, frames: list[bytes], order: pushwire.Sequencer) -> bool:
         try:
             msg = pushwire.parse(frames)
             order.take(msg)
         except pushwire.Dropped as d:
             self.metrics.feed_dropped.labels(d.reason).inc()
             return False
-        self._apply(name, msg.body())
+        self._apply(name, msg)
         return True
 
-    def _apply(self, name: str, msg: dict[str, Any] | None) -> None:
+    def _apply(self, name: str, msg: pushwire.FeedMessage) -> None:
+        """A message :func:`pushwire.parse` took (its fields are of their types)."""
         rank = self.table.ranks.get(name)
-        if msg is None or rank is None:
+        if rank is None:
             return
-        status, detail = summarize(msg)
+        status, detail = summarize({"engines": msg.engines})
         now = time.time()
         rank.pushed_at = now
-        ts = msg.get("ts")
-        if msg.get("kind") == "status" and status != rank.status and isinstance(ts, int | float):
+        if msg.kind == "status" and status != rank.status:
             # Same clock when publisher and proxy share a host; else indicative.
-            rank.push_delay_s = now - float(ts)
+            rank.push_delay_s = now - msg.ts
             self.metrics.push_delay.observe(max(rank.push_delay_s, 0.0))
-        observed = _published_at(ts, now)
+        observed = _published_at(msg.ts, now)
         self.table.observe(
             name, observed, Source.PUSH, reachable=True, status=status, detail=detail
         )

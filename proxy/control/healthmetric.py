@@ -83,11 +83,6 @@ def samples(body: bytes) -> dict[str, int]:
     return found
 
 
-def _has_status_route(rank: Rank) -> bool:
-    engine = engines.of(rank)
-    return engine is not None and engine.status_path is not None
-
-
 class Scraper:
     """One task per rank of a group with ``engine_healthy``."""
 
@@ -125,7 +120,8 @@ class Scraper:
             return
         self._failing.discard(rank.name)
         healthy = all(v == 1 for v in found.values())
-        if healthy and _has_status_route(rank):
+        engine = engines.of(rank)
+        if healthy and engine is not None and engine.status_path is not None:
             # Its FT status brings it back: were a 1 applied too, the two
             # sources, disagreeing (the gauge lags, or another API server's
             # view), would flip it in and out of rotation every interval.

@@ -285,13 +285,13 @@ class Liveness:
             f"ejected: {what} for {stall.quiet_s:.1f}s (bound {stall.bound_s:.1f}s) "
             f"while rank {peer} answers"
         )
-        if self.table.eject(rank.name, reason):
+        if self.table.set_ejected(rank.name, reason):
             self.metrics.ejections.labels(rank.name, stall.cause).inc()
             self._probed[rank.name] = time.monotonic()  # the first probe after an interval
             log.warning("rank %s out of rotation, though it reports healthy: %s", rank.name, reason)
 
     def _readmit(self, name: str, why: str) -> None:
-        if not self.table.readmit(name):
+        if not self.table.set_ejected(name, None):
             return
         self._progress[name] = time.monotonic()
         for ticket in self._tickets.get(name, ()):

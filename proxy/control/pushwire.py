@@ -34,9 +34,6 @@ class FeedMessage:
     ts: float
     engines: list[dict[str, Any]]
 
-    def body(self) -> dict[str, Any]:
-        return {"kind": self.kind, "ts": self.ts, "engines": self.engines}
-
 
 def parse(frames: list[bytes]) -> FeedMessage:
     if len(frames) != 2 or frames[0] != protocol.TOPIC:

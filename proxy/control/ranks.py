@@ -34,7 +34,6 @@ from enum import StrEnum
 from typing import Any
 
 from proxy.core.settings import GroupConfig
-from proxy.core.tasks import wait_event
 
 
 class RankStatus(StrEnum):
@@ -292,16 +291,9 @@ class RankTable:
             self.notify()
         return status_applied if status is not None else applied
 
-    def eject(self, name: str, reason: str) -> bool:
-        """Take a rank that says healthy out of rotation; False if it is gone
-        or out already."""
-        return self._set_ejected(name, reason)
-
-    def readmit(self, name: str) -> bool:
-        """Put an ejected rank back; False if it was not ejected."""
-        return self._set_ejected(name, None)
-
-    def _set_ejected(self, name: str, reason: str | None) -> bool:
+    def set_ejected(self, name: str, reason: str | None) -> bool:
+        """Take a rank that says healthy out of rotation (``reason``), or put
+        it back (None); False if it is gone, or out (or in) already."""
         rank = self.ranks.get(name)
         if rank is None or (rank.ejected is None) == (reason is None):
             return False
@@ -331,14 +323,10 @@ class RankTable:
 
         ``timeout=None`` waits as long as it takes.
         """
-        deadline = time.monotonic() + (timeout if timeout is not None else 0)
-        while not predicate():
-            if timeout is None:
-                await self._changed.wait()
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            if not await wait_event(self._changed, remaining):
-                return predicate()
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate():
+                    await self._changed.wait()
+        except TimeoutError:
+            return predicate()
         return True

@@ -169,9 +169,6 @@ class Recovery:
             for g, r in sorted(self._rounds.items())
         ]
 
-    def running(self, group: str) -> bool:
-        return self.active(group) is not None
-
     async def run(
         self,
         spec: RoundSpec,

@@ -69,7 +69,7 @@ from proxy.control.recovery import Outcome, RankReport, Recovery, RoundReport, R
 from proxy.core.errors import EtcdError, RoundInProgress
 from proxy.core.retry import RetryPolicy
 from proxy.core.settings import EtcdConfig
-from proxy.core.tasks import supervised, wait_event
+from proxy.core.tasks import supervised
 from proxy.upstream.bounded import parse_json
 
 __all__ = ["Client", "Etcd"]  # Client: the gateway's, for callers of this module
@@ -233,12 +233,10 @@ class Etcd(Coordination):
     async def wait_change(self, what: str, seen: int, at_most: float | None = None) -> None:
         if at_most is None:
             at_most = RESYNC_S if self.watching else POLL_S
-        deadline = asyncio.get_running_loop().time() + at_most
-        while self._seq[what] == seen:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return
-            await wait_event(self._wake, left)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(at_most):
+                while self._seq[what] == seen:
+                    await self._wake.wait()
 
     def _changed_all(self) -> None:
         """Anything may have changed (the watch began, or a message of it was
@@ -324,8 +322,10 @@ class Etcd(Coordination):
             # A live process may not be in the members read yet: a key naming
             # no member is taken only once it has stayed so for two ticks.
             fair = len(mine) < share and holder is None
-            if (fair or self._unled[group] > 2) and await self._campaign(
-                group, revisions.get(group, 0)
+            # Taken by a compare-and-swap: absent (revision 0), or still as read.
+            key, revision = self._key("leader", group), revisions.get(group, 0)
+            if (fair or self._unled[group] > 2) and await self.client.create(
+                key, self.me, self.lease, mod_revision=revision
             ):
                 mine.append(group)
                 self._lead(group)
@@ -372,12 +372,6 @@ class Etcd(Coordination):
         log.info("%s leads recovery of group %s (etcd lease %s)", self.me, group, self.lease)
         self._leads[group].set()
         self._leader.set()
-
-    async def _campaign(self, group: str, revision: int) -> bool:
-        """Take the group's leader key: absent (``revision`` 0), or still as read."""
-        assert self.lease is not None
-        key = self._key("leader", group)
-        return await self.client.create(key, self.me, self.lease, mod_revision=revision)
 
     async def close(self) -> None:
         self._step_down("stopping", logging.INFO)

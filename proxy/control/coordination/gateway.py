@@ -116,12 +116,6 @@ def _asked(key: bytes, start: bytes, end: bytes | None) -> bool:
     return key == start if end is None else start <= key < end
 
 
-def _object(answer: Any, what: str) -> dict[str, Any]:
-    if not isinstance(answer, dict):
-        raise EtcdError(f"etcd {what}: the answer is not an object: {str(answer)[:100]!r}")
-    return answer
-
-
 def _entry(kv: Any) -> tuple[str, Stored]:
     """A key-value of a range answer or watch event (ValueError: not its shape)."""
     if not isinstance(kv, dict):
@@ -213,7 +207,10 @@ class Client:
             self._token = None  # expired: log in again next time
         if reply.status != 200:
             raise EtcdError(f"etcd {path}: HTTP {reply.status}: {reply.body[:200]!r}")
-        return _object(reply.json(), path)
+        answer = reply.json()
+        if not isinstance(answer, dict):
+            raise EtcdError(f"etcd {path}: the answer is not an object: {str(answer)[:100]!r}")
+        return answer
 
     async def watch(self, prefix: str) -> AsyncIterator[list[str] | None]:
         """Follow every change under ``prefix`` (the gateway's ``/v3/watch``, one

@@ -12,6 +12,7 @@ API: ``/health`` is all there is. A group's ``engine`` setting picks one, or
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,18 +102,13 @@ class Engine:
 HEALTH_ONLY = Engine("none", None)
 
 
-_TABLE: dict[str, Engine] = {}
-
-
+@functools.cache
 def engines() -> dict[str, Engine]:
-    """Every engine API by name (built once: the relay asks per answer)."""
-    if not _TABLE:
-        from proxy.control.engines import sglang, vllm_032, vllm_v1
+    """Every engine API by name (built once: the relay asks per answer; on
+    first use, as the adapters' modules import this one)."""
+    from proxy.control.engines import sglang, vllm_032, vllm_v1
 
-        _TABLE.update(
-            (e.name, e) for e in (vllm_032.ENGINE, vllm_v1.ENGINE, sglang.ENGINE, HEALTH_ONLY)
-        )
-    return _TABLE
+    return {e.name: e for e in (vllm_032.ENGINE, vllm_v1.ENGINE, sglang.ENGINE, HEALTH_ONLY)}
 
 
 def by_name(name: str) -> Engine:
@@ -136,5 +132,4 @@ def probe_order() -> list[Engine]:
     """``auto``: the newer path first (a 0.32 rank answers it 404), then
     0.32's, then /health. SGLang and vLLM v1 share a path: the body tells
     them apart (:func:`proxy.control.engines.sglang.looks_like`)."""
-    table = engines()
-    return [table["vllm-v1"], table["vllm-0.32"]]
+    return [by_name("vllm-v1"), by_name("vllm-0.32")]
