@@ -138,6 +138,7 @@ def add_versions(revs: list[str], lane_off: bool, scratch: Path) -> list[str]:
         tree = scratch / f"ftproxy-{rev}"
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], check=True,
                        capture_output=True)  # fmt: skip
+        _build(tree)
         TARGETS[name := f"ft-proxy@{rev}"] = partial(start_proxy, tree=tree)
         names.append(name)
     if lane_off:
@@ -146,6 +147,17 @@ def add_versions(revs: list[str], lane_off: bool, scratch: Path) -> list[str]:
         )
         names.append(name)
     return names
+
+
+def _build(tree: Path) -> None:
+    """The compiled event path in ``tree``, as in this checkout: without it,
+    that version would run the pure-Python reference and the comparison would
+    measure the build, not the change."""
+    cmd = [sys.executable, "setup.py", "build_ext", "--inplace"]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True)
+    if done.returncode != 0:
+        print(f"-- {tree.name}: no compiled event path (build failed)", file=sys.stderr)
 
 
 def _nginx() -> str:

@@ -299,3 +299,49 @@ async def test_lines_pending_when_the_process_ends_are_written() -> None:
     accesslog.flush_all()  # what a worker does before os._exit, and atexit
     assert json.loads(out.getvalue())["request_id"] == "last-1"
     await access.close()
+
+
+async def test_a_burst_of_ends_is_formatted_later_in_order_with_its_end_counts() -> None:
+    """64 streams that end together: their records are completed at their
+    ends and formatted when the batch is written, every line, in order, with
+    the tokens counted at the end (the book is not kept, nor read again)."""
+    out = io.StringIO()
+    access = AccessLog("json", out)
+    books: list[list[int]] = []
+    for i in range(64):
+        rec = AccessRecord(f"s-{i}", "POST", "/v1/completions")
+        book = [7] * i
+        rec.tokens = lambda book=book: (3, len(book))
+        rec.status, rec.end = 200, End.FINISHED
+        access.write(rec)
+        book.append(8)  # what a book does after its request ended is not the line's
+        books.append(book)
+    assert out.getvalue() == ""  # batched: nothing formatted or written on the ends' path
+    assert all(rec.tokens is None for rec in access.pending)  # the books are not kept
+    got = await lines(out, 64)
+    assert [line["request_id"] for line in got] == [f"s-{i}" for i in range(64)]
+    assert [line["completion_tokens"] for line in got] == list(range(64))
+    assert all(line["prompt_tokens"] == 3 and line["end"] == End.FINISHED for line in got)
+    await access.close()
+
+
+async def test_a_graceful_stop_writes_the_lines_still_batched(
+    fakes, proxy, http, monkeypatch
+) -> None:
+    monkeypatch.setattr(accesslog, "FLUSH_S", 60.0)  # only the stop writes the batch
+    a = await fakes(name="a")
+    p = await proxy(settings_for([a], shutdown={"ready_delay_s": 0, "grace_s": 1},
+                                 logging=JSON_LOGS))  # fmt: skip
+    out = capture(p)
+    body = {"model": "fake-model", "prompt": "hi", "max_tokens": 3, "stream": True}
+    async with http.post(p.url + "/v1/completions", json=body) as r:
+        await r.read()
+    for _ in range(500):  # the request's end is in (its line is batched, not yet written)
+        if p.drain.in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    access = p.app[ACCESS_LOG]
+    assert access is not None and len(access.pending) == 1 and out.getvalue() == ""
+    await p.graceful_stop()
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert line["end"] == End.FINISHED and line["completion_tokens"] == 3

@@ -164,22 +164,26 @@ NEWLINE = orjson.OPT_APPEND_NEWLINE
 class AccessLog:
     """Formats records and writes them, one line each, to stderr.
 
-    Lines are kept in memory and written in batches: when FLUSH_LINES have
+    Records are kept in memory and written in batches: when FLUSH_LINES have
     gathered or FLUSH_S after the first of a batch, whichever comes first, and
-    when the app stops. Each write is whole lines, at most PIPE_BUF bytes.
-    ``stream=None`` resolves ``sys.stderr`` at write time (so a redirected
-    stderr, or a test capturing it, gets the lines).
+    when the app stops. A record is completed when its request ends and
+    formatted when its batch is written: streams of equal length end together
+    while the next requests start, and formatting 64 lines there (~8 µs each)
+    would come before those requests' first events. Each write is whole
+    lines, at most PIPE_BUF bytes. ``stream=None`` resolves ``sys.stderr`` at
+    write time (so a redirected stderr, or a test capturing it, gets the lines).
     """
 
     def __init__(self, fmt: str, stream: TextIO | None = None) -> None:
         self.json = fmt == "json"
         self.stream = stream
-        self.pending: list[bytes] = []
+        self.pending: list[AccessRecord] = []
         self.timer: asyncio.TimerHandle | None = None
         _OPEN.add(self)
 
     def write(self, rec: AccessRecord) -> None:
-        """The request ended: complete its record, format it, batch the line."""
+        """The request ended: complete its record and batch it. Its request's
+        code is done with it: nothing changes it after this."""
         # Inline, not in helpers: this runs once per request (see bench.accesslog).
         now = time()
         # The timestamp of the millisecond before, most often (a busy proxy).
@@ -187,12 +191,12 @@ class AccessLog:
         rec.duration_s = monotonic() - rec.start
         if rec.tokens is not None:
             rec.prompt_tokens, rec.completion_tokens = rec.tokens()
+            rec.tokens = None  # the batch keeps the record, not the request's book
         elif rec.usage_raw is not None:
             rec.prompt_tokens, rec.completion_tokens = _usage(rec.usage_raw)
-        # Seconds as measured: rounding costs more CPU than the digits cost bytes.
-        line = orjson.dumps(vars(rec), option=NEWLINE) if self.json else _text_line(rec)
+            rec.usage_raw = None  # nor the answer's body
         pending = self.pending
-        pending.append(line)
+        pending.append(rec)
         if len(pending) >= FLUSH_LINES:
             self.flush()  # the timer, if any, stays: it flushes the next batch early
         elif self.timer is None:
@@ -216,8 +220,8 @@ class AccessLog:
         """Write every pending line now."""
         if not self.pending:
             return
-        data = b"".join(self.pending)
-        self.pending = []
+        records, self.pending = self.pending, []
+        data = self.format(records)
         stream = self.stream or sys.stderr
         try:
             fd = _fileno(stream)
@@ -229,6 +233,13 @@ class AccessLog:
                 write_lines(fd, data)
         except (OSError, ValueError) as e:  # stderr closed or gone: not the request's fault
             log.warning("access log: %d bytes not written: %s", len(data), e)
+
+    def format(self, records: list[AccessRecord]) -> bytes:
+        """The records' lines. Seconds as measured: rounding costs more CPU
+        than the digits cost bytes."""
+        if self.json:
+            return b"".join([orjson.dumps(vars(rec), option=NEWLINE) for rec in records])
+        return b"".join([_text_line(rec) for rec in records])
 
 
 def _fileno(stream: TextIO) -> int | None:
