@@ -108,6 +108,8 @@ class FakeRank:
     ft_busy: bool = False  # sglang: an apply is running
     refused: int = 0  # new requests answered 503 while faulted
     token_delay_s: float = 0.0
+    # A status poll's answer waits this long (an API server too busy to answer it soon).
+    status_delay_s: float = 0.0
     first_token_delay_s: float = 0.0  # a stream's prefill: open, nothing generated yet
     recover_delay_s: float = 0.05
     has_ft: bool = True
@@ -254,6 +256,7 @@ class FakeRank:
     async def _status(self, request: web.Request) -> web.Response:
         if not self.has_ft:
             raise web.HTTPNotFound()
+        await asyncio.sleep(self.status_delay_s)
         status = self.status if self.reports_fault else "healthy"
         entry: dict[str, Any] = {"id": 0, "status": status}
         if status != "healthy":

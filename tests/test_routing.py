@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -58,6 +59,27 @@ async def test_no_new_request_enters_a_group_with_a_faulted_member(fakes, proxy,
     assert await table.wait_for(lambda: table.ranks["a0"].routable, 1.0)
     await asyncio.gather(*(post() for _ in range(9)))
     assert len(a0.received) + len(a1.received) == 6 and len(b0.received) == 23
+
+
+async def test_a_late_poll_of_a_rank_that_streams_keeps_it_in(fakes, proxy, http, caplog) -> None:
+    """A saturated API server answers status polls late yet streams on: busy, not
+    hung. Its group stays in rotation and its stream is not held; once it streams
+    nothing, the next late poll takes it out as before."""
+    a = await fakes(name="a", token_delay_s=0.02)
+    interval = 0.1
+    p = await proxy(replicas([a], timeouts={"poll_interval_s": interval, "poll_timeout_s": 0.25}))
+    rank = p.app[TABLE].ranks["a"]
+    caplog.set_level(logging.INFO, logger="ftproxy.hold")
+    body = {"model": "fake-model", "prompt": "x", "max_tokens": 80, "stream": True}
+    routable = []
+    async with http.post(p.url + "/v1/completions", json=body) as r:
+        a.status_delay_s = 0.5  # every poll from now on is late: past 0.25 s
+        async for _ in r.content:
+            routable.append(rank.routable)
+    assert len(routable) > 40 and all(routable), routable
+    assert not [m for m in caplog.messages if "stream held" in m]
+    assert await p.app[TABLE].wait_for(lambda: not rank.routable, 1.0)
+    assert rank.reason == "poll failed: RankTimeout"
 
 
 async def test_a_hung_api_server_is_not_routable_within_two_polls(fakes, proxy, http) -> None:

@@ -35,7 +35,7 @@ from proxy.control.engines import (
     summarize,
 )
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
-from proxy.core.errors import BadJSON, RankError
+from proxy.core.errors import BadJSON, RankError, RankTimeout
 from proxy.core.settings import Limits, Timeouts
 from proxy.core.tasks import supervised
 from proxy.telemetry.metrics import Metrics
@@ -105,6 +105,12 @@ class Poller:
         try:
             status, detail = await self._read_status(rank)
         except RankError as e:
+            if isinstance(e, RankTimeout) and rank.progress_at > sent_at:
+                # Its API server relayed an event after this poll was sent:
+                # busy (a saturated server answers polls late), not hung. A
+                # hung one streams nothing either, and the next poll says so.
+                log.debug("rank %s: status poll late while it streams", rank.name)
+                return
             # A failure is known only now: stamped now, so it outranks every
             # answer before it and holds until a newer poll succeeds.
             reason = f"poll failed: {type(e).__name__}"

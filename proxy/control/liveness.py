@@ -165,7 +165,10 @@ class Liveness:
         """Called per event: kept to a store and a lookup."""
         self._progress[name] = at
         rank = self.table.ranks.get(name)
-        if rank is not None and rank.ejected is not None:
+        if rank is None:
+            return
+        rank.progress_at = at
+        if rank.ejected is not None:
             self._readmit(name, "it answered again")
 
     def check(self, now: float | None = None) -> None:

@@ -94,6 +94,10 @@ class Rank:
     feed_ok: bool = True
     feed_reason: str = ""
     in_flight: int = 0
+    # Monotonic time of the last event or whole answer relayed from it
+    # (proxy.control.liveness): a poll that times out while it streams is a
+    # busy API server's, not a hung one's (proxy.control.feed.Poller).
+    progress_at: float = 0.0
     # Which feed changed `status` last, and when (our wall clock).
     changed_by: Source = Source.UNSEEN
     changed_at: float = 0.0
