@@ -11,6 +11,7 @@ import openai
 import orjson
 import pytest
 
+from proxy.core.bodies import check_fields
 from proxy.dataplane.continuation import Book, SpliceFailed, refusal
 from proxy.dataplane.continuation.fields import FIELDS, as_bool, readme_matrix
 from proxy.ingress.state import METRICS
@@ -309,6 +310,19 @@ def test_a_batch_of_prompts_ends_when_every_prompt_has() -> None:
         book.on_original({"id": "c", "created": 1, "model": "m", "choices": [
             {"index": index, "text": "a", "token_ids": [1], "finish_reason": "length",
              "prompt_token_ids": [9]}]})  # fmt: skip
+    assert book.finish_reason == "length"
+
+
+@pytest.mark.parametrize("n", ["2", " 2 ", "2.0", 2.0])
+def test_n_is_read_as_vllm_coerces_it(n: Any) -> None:
+    # The inbound check lets these through (vLLM's pydantic reads each as
+    # 2): a stream of two choices is not over when its first one is.
+    check_fields("completion", {"model": "m", "prompt": "x", "n": n})
+    book = Book.for_request("completion", {"model": "m", "prompt": "x", "n": n})
+    for index in range(2):
+        assert book.finish_reason is None
+        choice = {"index": index, "text": "a", "token_ids": [1], "finish_reason": "length"}
+        book.on_original({"id": "c", "created": 1, "model": "m", "choices": [choice]})
     assert book.finish_reason == "length"
 
 

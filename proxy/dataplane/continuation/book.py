@@ -121,8 +121,8 @@ class Book:
         opts = opts if isinstance(opts, dict) else {}
         usage = as_bool(opts.get("include_usage"))
         continuous = usage and as_bool(opts.get("continuous_usage_stats"))
-        n = body.get("n")
-        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        # As vLLM reads it: the inbound check lets "2" and 2.0 through.
+        n = max(as_int(body.get("n"), 1), 1)
         # vLLM streams n choices for each prompt of a batch.
         prompts = prompt_count(body) if kind == COMPLETION else 1
         return cls(
