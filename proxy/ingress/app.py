@@ -201,10 +201,7 @@ async def _push(app: web.Application) -> None:
 async def _auto_recovery(app: web.Application) -> None:
     # Only a group's leader starts its rounds: one fault, one round, however
     # many processes watch the same ranks (each group waits for its own).
-    coord = app[COORD]
-    await AutoRecovery(
-        app[RECOVERY], coord.wait_leader, coord.run_round, coord.wait_round_idle
-    ).run()
+    await AutoRecovery(app[RECOVERY], app[COORD]).run()
 
 
 async def _coordinate(app: web.Application) -> None:
