@@ -186,8 +186,8 @@ async def _poll(app: web.Application) -> None:
 
 
 async def _scrape(app: web.Application) -> None:
-    s = app[SETTINGS]
-    await Scraper(app[TABLE], app[UPSTREAM], s.timeouts, s.limits, app[METRICS]).run()
+    settings = app[SETTINGS]
+    await Scraper(app[TABLE], app[UPSTREAM], settings.timeouts, app[METRICS], settings.limits).run()
 
 
 async def _liveness(app: web.Application) -> None:
