@@ -672,7 +672,7 @@ def _past(again: S, sent: S, what: str) -> tuple[S, S]:
     if sent[:n] != again[:n]:
         raise SpliceFailed(
             "continuation_diverged",
-            f"the continuation's {what} {sent[:n]!r} differ from the client's {again[:n]!r}",
+            f"the continuation's {what} {sent[:n]!r} and the client's {again[:n]!r} differ",
         )
     return again[n:], sent[n:]
 
