@@ -166,6 +166,21 @@ def test_json_event_logs_carry_the_request_id() -> None:
     assert "request_id" not in outside and outside["msg"] == "outside"
 
 
+def test_event_logs_configured_again_replace_the_earlier_handler() -> None:
+    # In a process of its own: configuring replaces the root logger's handlers.
+    code = (
+        "import logging; from proxy.telemetry import logformat\n"
+        "logging.getLogger().addHandler(logging.StreamHandler())\n"
+        "logformat.configure('text', 'debug'); logformat.configure('json', 'info')\n"
+        "logging.getLogger('x').debug('hidden'); logging.getLogger('x').info('shown')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, check=True)
+    (line,) = run.stderr.decode().splitlines()
+    got = json.loads(line)
+    assert got.pop("ts") and got == {"level": "INFO", "logger": "x", "msg": "shown"}
+
+
 def test_feed_heartbeat_age_per_rank() -> None:
     settings = Settings(groups=[{"name": "g", "ranks": [
         {"name": "fed", "url": "http://127.0.0.1:1", "status_feed": "tcp://127.0.0.1:1"},

@@ -11,6 +11,7 @@ import openai
 import orjson
 import pytest
 
+from proxy.core.bodies import check_fields
 from proxy.dataplane.continuation import Book, SpliceFailed, refusal
 from proxy.dataplane.continuation.fields import FIELDS, as_bool, readme_matrix
 from proxy.ingress.state import METRICS
@@ -119,6 +120,41 @@ async def test_continuation_body_follows_the_table() -> None:
     assert cont["cache_salt"] == "s" and cont["user"] == "u" and cont["stop"] == ["zz"]
     assert "truncate_prompt_tokens" not in cont and "truncation_side" not in cont
     assert "stream_options" not in cont and cont["stream"] is True
+
+
+async def _decode_cut(ids: list[int]) -> str:
+    # Token 3 is the first half of a character: the splice goes back over it.
+    return "".join("\ufffd" if i == 3 else "" if i == 9 else "a " if i == 1 else "b " for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("text", "ids", "diverged"), [("b ", [3], False), ("b ", [4], True), ("x ", [3], True)]
+)
+async def test_what_a_greedy_continuation_says_again_must_be_the_clients(
+    text: str, ids: list[int], diverged: bool
+) -> None:
+    # The client has token 3 and the text "b " it showed; the continuation
+    # starts before them and must say both again, or the stream ends coded.
+    body = {
+        "model": "m",
+        "prompt": "x",
+        "max_tokens": 20,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    book = _book("completion", body, 3)
+    await book.continuation(_decode_cut)
+    assert (book.replay, book.skip) == ([3], "b ")
+    again = {"text": text, "token_ids": ids}
+    if diverged:
+        with pytest.raises(SpliceFailed) as e:
+            book.on_continuation({"choices": [again]})
+        assert e.value.code == "continuation_diverged"
+        return
+    assert book.on_continuation({"choices": [again]}).data == []  # the client has it all
+    emit = book.on_continuation({"choices": [{"text": "c ", "token_ids": [5]}]})
+    choice = orjson.loads(emit.data[0])["choices"][0]
+    assert (choice["text"], choice["token_ids"]) == ("c ", [5])
 
 
 async def test_chat_without_a_budget_gets_the_rest_of_the_window() -> None:
@@ -309,6 +345,19 @@ def test_a_batch_of_prompts_ends_when_every_prompt_has() -> None:
         book.on_original({"id": "c", "created": 1, "model": "m", "choices": [
             {"index": index, "text": "a", "token_ids": [1], "finish_reason": "length",
              "prompt_token_ids": [9]}]})  # fmt: skip
+    assert book.finish_reason == "length"
+
+
+@pytest.mark.parametrize("n", ["2", " 2 ", "2.0", 2.0])
+def test_n_is_read_as_vllm_coerces_it(n: Any) -> None:
+    # The inbound check lets these through (vLLM's pydantic reads each as
+    # 2): a stream of two choices is not over when its first one is.
+    check_fields("completion", {"model": "m", "prompt": "x", "n": n})
+    book = Book.for_request("completion", {"model": "m", "prompt": "x", "n": n})
+    for index in range(2):
+        assert book.finish_reason is None
+        choice = {"index": index, "text": "a", "token_ids": [1], "finish_reason": "length"}
+        book.on_original({"id": "c", "created": 1, "model": "m", "choices": [choice]})
     assert book.finish_reason == "length"
 
 

@@ -22,7 +22,7 @@ def exporter_for(p: Running) -> InMemorySpanExporter:
     tracing = p.app[TRACING]
     assert tracing is not None
     exporter = InMemorySpanExporter()
-    tracing.add_processor(SimpleSpanProcessor(exporter))
+    tracing.provider.add_span_processor(SimpleSpanProcessor(exporter))
     return exporter
 
 

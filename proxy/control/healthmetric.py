@@ -87,7 +87,7 @@ class Scraper:
     """One task per rank of a group with ``engine_healthy``."""
 
     def __init__(
-        self, table: RankTable, upstream: Upstream, t: Timeouts, limits: Limits, metrics: Metrics
+        self, table: RankTable, upstream: Upstream, t: Timeouts, metrics: Metrics, limits: Limits
     ) -> None:
         self.table, self.upstream, self.t = table, upstream, t
         self.restarts = metrics.task_restarts

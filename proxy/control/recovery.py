@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.control import engines
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
@@ -40,6 +40,9 @@ from proxy.core.settings import AutoRecoveryConfig, Settings
 from proxy.telemetry.metrics import Metrics
 from proxy.upstream import Upstream
 from proxy.upstream.bounded import Bound
+
+if TYPE_CHECKING:
+    from proxy.control.coordination import Coordination
 
 log = logging.getLogger("ftproxy.recovery")
 
@@ -352,18 +355,11 @@ class Recovery:
 class AutoRecovery:
     """Start retry rounds on its own for groups that have it switched on."""
 
-    def __init__(
-        self,
-        recovery: Recovery,
-        gate: Callable[[str], Awaitable[None]],
-        start: Callable[[RoundSpec, str], Awaitable[RoundReport]],
-        wait_idle: Callable[[str], Awaitable[None]],
-    ) -> None:
+    def __init__(self, recovery: Recovery, coord: Coordination) -> None:
+        # Rounds go through the coordination: it runs them here or in a
+        # shared round store, and says when this process leads a group.
         self.recovery, self.table, self.metrics = recovery, recovery.table, recovery.metrics
-        # gate(group): returns once this process may start the group's rounds
-        # (it leads the group); start / wait_idle: the coordination's, which
-        # runs rounds here or in a shared round store.
-        self.gate, self.start, self.wait_idle = gate, start, wait_idle
+        self.coord = coord
 
     async def run(self) -> None:
         groups = [g for g in self.recovery.settings.groups if g.auto_recovery.enabled]
@@ -385,7 +381,7 @@ class AutoRecovery:
                 continue
             delay = cfg.grace_s if attempts == 0 else backoff.delay(attempts)
             await asyncio.sleep(delay)
-            await self.gate(name)  # leadership may have moved during the grace
+            await self.coord.wait_leader(name)  # leadership may have moved during the grace
             if not self._all_unhealthy(name):
                 self._decide(name, Decision.SKIPPED, "the group changed during the grace period")
                 continue
@@ -395,13 +391,13 @@ class AutoRecovery:
             )
             spec = RoundSpec(group=name, wait_unhealthy_s=1.0, recover_s=cfg.recover_s)
             try:
-                report = await self.start(spec, Trigger.AUTO)
+                report = await self.coord.run_round(spec, Trigger.AUTO)
             except RoundInProgress as busy:
                 # An operator's round for other work (a scale_down) owns the
                 # group; it is not an attempt of ours. Look again after it.
                 attempts -= 1
                 self._decide(name, Decision.SKIPPED, busy.message)
-                await self.wait_idle(name)
+                await self.coord.wait_round_idle(name)
                 continue
             except ProxyError as e:
                 # The shared round store did not answer (etcd): a failed

@@ -186,8 +186,8 @@ async def _poll(app: web.Application) -> None:
 
 
 async def _scrape(app: web.Application) -> None:
-    s = app[SETTINGS]
-    await Scraper(app[TABLE], app[UPSTREAM], s.timeouts, s.limits, app[METRICS]).run()
+    settings = app[SETTINGS]
+    await Scraper(app[TABLE], app[UPSTREAM], settings.timeouts, app[METRICS], settings.limits).run()
 
 
 async def _liveness(app: web.Application) -> None:
@@ -201,10 +201,7 @@ async def _push(app: web.Application) -> None:
 async def _auto_recovery(app: web.Application) -> None:
     # Only a group's leader starts its rounds: one fault, one round, however
     # many processes watch the same ranks (each group waits for its own).
-    coord = app[COORD]
-    await AutoRecovery(
-        app[RECOVERY], coord.wait_leader, coord.run_round, coord.wait_round_idle
-    ).run()
+    await AutoRecovery(app[RECOVERY], app[COORD]).run()
 
 
 async def _coordinate(app: web.Application) -> None:

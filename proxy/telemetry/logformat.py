@@ -42,8 +42,4 @@ def configure(fmt: Format, level: str) -> None:
     """Send every log line to stderr in ``fmt`` (replaces earlier handlers)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(level.upper())
+    logging.basicConfig(handlers=[handler], level=level.upper(), force=True)

@@ -242,7 +242,7 @@ def settle(folder: Path, fresh: dict[int, Families], me: int | None = None) -> F
 def retire(folder: Path, pid: int) -> None:
     """Worker ``pid`` has ended: keep the counts last exposed of it for good.
     (The supervisor's, after waitpid.)"""
-    _unlink(folder / f"{pid}.sock")  # no scrape records it again after this
+    socket_path(folder, pid).unlink(missing_ok=True)  # no scrape records it again after this
     with _locked(folder):
         last = folder / f"{pid}.last"
         gone = _read(last)
@@ -250,7 +250,7 @@ def retire(folder: Path, pid: int) -> None:
             retired = _read(folder / "retired.json")
             add(retired, gone, monotonic_only=True)
             _write(folder / "retired.json", retired)
-        _unlink(last)
+        last.unlink(missing_ok=True)
 
 
 # -- sockets: a worker answers its samples; a scrape asks every sibling ------
@@ -287,12 +287,7 @@ async def read_sibling(path: Path, timeout_s: float = SIBLING_TIMEOUT_S) -> Fami
 
 
 def siblings(folder: Path, me: int) -> list[tuple[int, Path]]:
-    out = []
-    for path in folder.glob("*.sock"):
-        pid = _pid(path)
-        if pid is not None and pid != me:
-            out.append((pid, path))
-    return out
+    return [(pid, p) for p in folder.glob("*.sock") if (pid := _pid(p)) is not None and pid != me]
 
 
 async def serve(path: Path, answer: Callable[[], bytes]) -> None:
@@ -309,15 +304,11 @@ async def serve(path: Path, answer: Callable[[], bytes]) -> None:
         finally:
             writer.close()
 
-    _unlink(path)  # left by an earlier process of this pid
+    # Unlinking a socket file is one quick system call, not I/O to wait on.
+    path.unlink(missing_ok=True)  # noqa: ASYNC240 (left by an earlier process of this pid)
     server = await asyncio.start_unix_server(one, str(path))
     try:
         await asyncio.Event().wait()
     finally:
         server.close()
-        _unlink(path)
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+        path.unlink(missing_ok=True)  # noqa: ASYNC240

@@ -48,10 +48,6 @@ class Tracing:
         self.tracer = self.provider.get_tracer("ftproxy")
         self.propagator = TraceContextTextMapPropagator()
 
-    def add_processor(self, processor: SpanProcessor) -> None:
-        """Another destination for spans (tests: an in-memory exporter)."""
-        self.provider.add_span_processor(processor)
-
     def shutdown(self) -> None:
         self.provider.shutdown()  # flushes what is still batched
 

@@ -38,7 +38,7 @@ import copy
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -57,6 +57,8 @@ log = logging.getLogger("ftproxy.continuation")
 
 CHAT = "chat"
 COMPLETION = "completion"
+
+S = TypeVar("S", list[int], str)  # what a continuation says again: ids or text
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
@@ -121,8 +123,8 @@ class Book:
         opts = opts if isinstance(opts, dict) else {}
         usage = as_bool(opts.get("include_usage"))
         continuous = usage and as_bool(opts.get("continuous_usage_stats"))
-        n = body.get("n")
-        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        # As vLLM reads it: the inbound check lets "2" and 2.0 through.
+        n = max(as_int(body.get("n"), 1), 1)
         # vLLM streams n choices for each prompt of a batch.
         prompts = prompt_count(body) if kind == COMPLETION else 1
         return cls(
@@ -451,11 +453,11 @@ class Book:
         choice = choices[0]
         text, finish = choice.get("text") or "", choice.get("finish_reason")
         sent = choice.get("token_ids") or []
-        ids = self._skip_replayed(sent)
+        self.replay, ids = _past(self.replay, sent, "ids")
         self._count(sent, text)
         if finish == "stop" and self._stop_token_decoded(sent, choice.get("stop_reason")):
             text, choice = self._without_stop_token(sent, text, choice)
-        text = self._skip_said(text)
+        self.skip, text = _past(self.skip, text, "text")
         new, sure = self._checked(len(text), len(sent))
         if finish == "abort":
             if _first_stop(self.behind + self.pending + text, new, self._matched()) is None:
@@ -541,28 +543,6 @@ class Book:
         out, stop, _ = self._scan("", final=True, new=0)
         self.finish_reason = "stop" if stop is not None else "length"
         return [self._client_chunk(out, [], self.finish_reason, stop, {})]
-
-    def _skip_replayed(self, ids: list[int]) -> list[int]:
-        """The ids the client has not had yet."""
-        n = min(len(self.replay), len(ids))
-        if n and ids[:n] != self.replay[:n]:
-            raise SpliceFailed(
-                "continuation_diverged",
-                f"the continuation generated {ids[:n]} where the client has {self.replay[:n]}",
-            )
-        del self.replay[:n]
-        return ids[n:]
-
-    def _skip_said(self, text: str) -> str:
-        """The text the client has not had yet."""
-        n = min(len(self.skip), len(text))
-        if text[:n] != self.skip[:n]:
-            raise SpliceFailed(
-                "continuation_diverged",
-                f"the continuation's text {text[:n]!r} differs from the client's {self.skip[:n]!r}",
-            )
-        self.skip = self.skip[n:]
-        return text[n:]
 
     def _scan(self, text: str, final: bool, new: int) -> tuple[str, str | None, bool]:
         """Release text, holding back what a stop string could still match:
@@ -683,6 +663,18 @@ def _first_stop(buf: str, new: int, stops: list[str]) -> tuple[int, str] | None:
         if i >= 0 and (best is None or i + len(s) < best[0] + len(best[1])):
             best = i, s
     return best
+
+
+def _past(again: S, sent: S, what: str) -> tuple[S, S]:
+    """What the client has and the continuation is still to say again
+    (``again``: ids or text), and what of ``sent`` the client has not had."""
+    n = min(len(again), len(sent))
+    if sent[:n] != again[:n]:
+        raise SpliceFailed(
+            "continuation_diverged",
+            f"the continuation's {what} {sent[:n]!r} and the client's {again[:n]!r} differ",
+        )
+    return again[n:], sent[n:]
 
 
 def _hold(stops: list[str]) -> int:
