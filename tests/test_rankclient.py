@@ -887,3 +887,50 @@ async def test_finished_requests_leave_no_timers_behind(rank) -> None:
     assert await _tagged_get(client, url, "last") == b"last"
     await client.close()  # with its connection's timers armed: they go with it
     assert timers.pending == 0, timers.pending
+
+
+async def test_an_answer_still_coming_when_the_client_closes_is_cut_not_ended(rank) -> None:
+    """Closing the client closes the connections of answers still coming. An
+    answer delimited by the connection's end took that close for the rank's
+    end and passed for whole; one not yet begun on a pooled connection read
+    as stale (safe to send again). Both are cut: the rank ended neither."""
+    go = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"par')
+        await writer.drain()
+        go.set()
+        await reader.read()  # until the client closes it
+
+    async def unanswered(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        go.set()
+        await reader.read()
+
+    client = _client()
+    url = await rank(serve)
+    assert await _get(client, url) == (200, b"{}")
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")  # pooled, until EOF
+    reading = asyncio.create_task(resp.read())
+    await go.wait()
+    await asyncio.sleep(0.05)  # the part sent is read
+    await client.close()
+    with pytest.raises(RankConnectionError):
+        await asyncio.wait_for(reading, 1.0)
+    resp.close()
+
+    go.clear()
+    url = await rank(unanswered)
+    assert await _get(client, url) == (200, b"{}")
+    asking = asyncio.create_task(client.request("POST", url, CIMultiDict(), b"{}"))
+    await go.wait()
+    await client.close()
+    with pytest.raises(RankConnectionError) as e:
+        await asyncio.wait_for(asking, 1.0)
+    assert not isinstance(e.value, StaleConnection), "the rank did not close it"
+    await client.close()
