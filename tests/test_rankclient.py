@@ -6,11 +6,13 @@ import asyncio
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, cast
 
 import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
+from proxy.core.errors import RankError
 from proxy.upstream.client import (
     BadResponse,
     PoolFull,
@@ -673,4 +675,262 @@ async def test_a_pooled_connection_closes_once_idle_for_idle_s_counted_from_its_
     await asyncio.sleep(0.3)  # 0.55 s after the first answer, 0.3 s after this one
     assert len(client._all) == 1 and not next(iter(client._all)).closed
     assert await until(lambda: not client._all, 2)  # closed once idle for idle_s
+    await client.close()
+
+
+# -- timers: every read bounded, nothing of one request in another's ----------------
+
+
+class _Conns:
+    """What a raw rank saw of its connections: how many were opened, and how
+    many of them the client closed (EOF)."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.ended = 0
+        self.ended_busy = 0  # closed by the client while its request waited for its answer
+
+    @property
+    def open(self) -> int:
+        return self.opened - self.ended
+
+
+def _tag(request: bytes) -> bytes:
+    """The request's X-Request-Id."""
+    for line in request.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"x-request-id":
+            return value.strip()
+    return b""
+
+
+def _tagged(tag: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(tag), tag)
+
+
+def _echo(conns: _Conns, delay_s: float = 0.0) -> Serve:
+    """A keep-alive rank that answers each request, after ``delay_s``, with
+    its X-Request-Id as the body: an answer of another request's shows."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.opened += 1
+        try:
+            while True:
+                request = await read_request(reader)
+                if delay_s:
+                    await asyncio.sleep(delay_s)
+                if reader.at_eof():  # closed while its answer was due
+                    conns.ended_busy += 1
+                writer.write(_tagged(_tag(request)))
+        finally:
+            conns.ended += 1
+
+    return serve
+
+
+async def _tagged_get(client: RankClient, url: URL, tag: str) -> bytes:
+    resp = await client.request("POST", url, CIMultiDict({"X-Request-Id": tag}), b"{}")
+    try:
+        assert resp.status == 200
+        return await resp.read()
+    finally:
+        resp.release()
+
+
+class _Timers:
+    """A client's loop that keeps the timers scheduled through it, until
+    they run or are cancelled: the timers of its connections."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.live: set[asyncio.TimerHandle] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loop, name)
+
+    def call_at(
+        self, when: float, callback: Callable[..., object], *args: Any
+    ) -> asyncio.TimerHandle:
+        def run() -> None:
+            self.live.discard(handle)
+            callback(*args)
+
+        handle = self.loop.call_at(when, run)
+        self.live.add(handle)
+        return handle
+
+    def call_later(
+        self, delay: float, callback: Callable[..., object], *args: Any
+    ) -> asyncio.TimerHandle:
+        return self.call_at(self.loop.time() + delay, callback, *args)
+
+    @property
+    def pending(self) -> int:
+        return sum(not h.cancelled() for h in self.live)
+
+
+@pytest.mark.parametrize("cut", ["length", "chunked"])
+async def test_a_rank_that_stalls_mid_answer_on_a_reused_connection_times_out_and_is_not_reused(
+    rank, cut
+) -> None:
+    """The second answer on a kept-alive connection stops halfway: it fails
+    with the client's ReadTimeout within about read_s of the rank's last
+    byte (the silence timer kept from the first answer is due while bytes
+    still come, and waits on), that connection is closed, never pooled, and
+    the next request gets a new connection and its own answer."""
+    read_s = 0.4
+    begun, more = {
+        "length": (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nab", b"cd"),
+        "chunked": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", b"c"),
+    }[cut]
+    conns = _Conns()
+    stalled = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.opened += 1
+        first = conns.opened == 1
+        try:
+            request = await read_request(reader)
+            writer.write(_tagged(_tag(request)))
+            request = await read_request(reader)
+            if first:  # the reused connection's answer: begun, some more, then silence
+                writer.write(begun)
+                await writer.drain()
+                await asyncio.sleep(read_s * 0.4)
+                writer.write(more)
+                await writer.drain()
+                stalled.set()
+                await reader.read()  # until the client closes it (bounded by the test)
+                return
+            writer.write(_tagged(_tag(request)))
+            await reader.read()
+        finally:
+            conns.ended += 1
+
+    url = await rank(serve)
+    client = RankClient(connect_s=1.0, read_s=read_s, idle_s=5.0)
+    loop = asyncio.get_running_loop()
+    assert await _tagged_get(client, url, "a") == b"a"
+    await asyncio.sleep(read_s / 2)  # the first answer's silence timer is due mid-way
+    resp = await client.request("POST", url, CIMultiDict({"X-Request-Id": "b"}), b"{}")
+    assert resp.status == 200 and conns.opened == 1  # on the pooled connection
+    await stalled.wait()
+    last_byte = loop.time()
+    with pytest.raises(ReadTimeout) as e:
+        await asyncio.wait_for(resp.read(), 2.0)
+    waited = loop.time() - last_byte
+    assert isinstance(e.value, RankError)
+    assert read_s * 0.9 <= waited < read_s + 0.8, waited
+    resp.close()
+    assert await until(lambda: conns.ended == 1, 1.0), "the stalled connection stayed open"
+    assert await asyncio.wait_for(_tagged_get(client, url, "c"), 2.0) == b"c"
+    assert conns.opened == 2, "the next request did not get a new connection"
+    await client.close()
+
+
+async def test_a_pooled_connection_reused_as_its_idle_timer_fires_is_used_whole_or_not_at_all(
+    rank,
+) -> None:
+    """Each request is sent about when its pooled connection's idle timer is
+    due (a little before, at, a little after): it is answered on that
+    connection, its own answer whole, or on a new one; never on one closed
+    under it, and the rank sees no connection closed with an answer due."""
+    idle_s, answer_s = 0.1, 0.02
+    conns = _Conns()
+    url = await rank(_echo(conns, answer_s))
+    client = RankClient(connect_s=1.0, read_s=2.0, idle_s=idle_s)
+    loop = asyncio.get_running_loop()
+
+    async def at(when: float, tag: str) -> float:
+        await asyncio.sleep(max(0.0, when - loop.time()))
+        assert await asyncio.wait_for(_tagged_get(client, url, tag), 1.0) == tag.encode()
+        return loop.time()  # released: idle from now
+
+    released = await at(0.0, "first")
+    offsets = [-0.03, -0.02, -0.012, -0.006, -0.003, -0.001, -0.0005, 0.0, 0.0005, 0.001, 0.003]
+    for i, offset in enumerate(offsets):
+        released = await at(released + idle_s + offset, f"r{i}")
+    assert conns.ended_busy == 0, "a connection was closed with its answer due"
+    assert 1 < conns.opened <= len(offsets) + 1  # some reused, some closed idle first
+    await client.close()
+
+
+async def test_finished_requests_leave_no_timers_behind(rank) -> None:
+    """After 50 requests in turn and 50 at once, a pooled connection holds at
+    most its idle timer and the silence timer kept for its next answer; once
+    read_s has passed only its idle timer; once idle_s has passed the pool
+    has closed every connection and no timer is left, nor once the client
+    is closed."""
+    read_s, idle_s = 0.3, 0.8
+    conns = _Conns()
+    url = await rank(_echo(conns))
+    client = RankClient(connect_s=1.0, read_s=read_s, idle_s=idle_s)
+    timers = _Timers(client.loop)
+    client.loop = cast(asyncio.AbstractEventLoop, timers)
+
+    for i in range(50):
+        assert await _tagged_get(client, url, f"s{i}") == f"s{i}".encode()
+    assert conns.opened == 1
+    assert timers.pending <= 2, timers.pending
+
+    tags = [f"c{i}" for i in range(50)]
+    bodies = await asyncio.gather(*(_tagged_get(client, url, t) for t in tags))
+    assert bodies == [t.encode() for t in tags]
+    assert timers.pending <= 2 * conns.open, (timers.pending, conns.open)
+
+    await asyncio.sleep(read_s + 0.15)  # every silence timer is due; no idle timer is
+    assert timers.pending == conns.open == conns.opened, (timers.pending, conns.open)
+
+    assert await until(lambda: conns.open == 0, idle_s + 1.0), "idle connections left open"
+    assert timers.pending == 0, timers.pending
+
+    assert await _tagged_get(client, url, "last") == b"last"
+    await client.close()  # with its connection's timers armed: they go with it
+    assert timers.pending == 0, timers.pending
+
+
+async def test_an_answer_still_coming_when_the_client_closes_is_cut_not_ended(rank) -> None:
+    """Closing the client closes the connections of answers still coming. An
+    answer delimited by the connection's end took that close for the rank's
+    end and passed for whole; one not yet begun on a pooled connection read
+    as stale (safe to send again). Both are cut: the rank ended neither."""
+    go = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"par')
+        await writer.drain()
+        go.set()
+        await reader.read()  # until the client closes it
+
+    async def unanswered(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        go.set()
+        await reader.read()
+
+    client = _client()
+    url = await rank(serve)
+    assert await _get(client, url) == (200, b"{}")
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")  # pooled, until EOF
+    reading = asyncio.create_task(resp.read())
+    await go.wait()
+    await asyncio.sleep(0.05)  # the part sent is read
+    await client.close()
+    with pytest.raises(RankConnectionError):
+        await asyncio.wait_for(reading, 1.0)
+    resp.close()
+
+    go.clear()
+    url = await rank(unanswered)
+    assert await _get(client, url) == (200, b"{}")
+    asking = asyncio.create_task(client.request("POST", url, CIMultiDict(), b"{}"))
+    await go.wait()
+    await client.close()
+    with pytest.raises(RankConnectionError) as e:
+        await asyncio.wait_for(asking, 1.0)
+    assert not isinstance(e.value, StaleConnection), "the rank did not close it"
     await client.close()

@@ -275,6 +275,13 @@ class _Conn(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self._stop_timers()
+            # An answer still coming (the client closed) is cut here: left to
+            # connection_lost, this side's close read as the rank's end of an
+            # answer delimited by it (a half answer passed for whole), or as
+            # a pooled connection the rank had dropped (safe to send again).
+            resp, self.response = self.response, None
+            if resp is not None and not resp.complete:
+                resp._fail(RankConnectionError("the connection to the rank was closed mid-answer"))
             if self.transport is not None:
                 self.transport.close()
             self.pool._lost(self)
