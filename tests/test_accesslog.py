@@ -231,6 +231,24 @@ def test_json_line_has_every_field_in_order_and_escapes_client_text() -> None:
     assert line["end"] is None and line["ttfb_s"] is None and line["duration_s"] >= 0
 
 
+def test_a_rank_s_usage_past_64_bits_is_no_count_and_costs_no_line() -> None:
+    """A rank's answer says a count orjson cannot write: that record's count
+    is unknown, and it and the records batched with it are still written."""
+    out = io.StringIO()
+    access = AccessLog("json", out)
+    for rid, usage in (("before", b"3"), ("bad", b"99999999999999999999999"), ("after", b"4")):
+        rec = AccessRecord(rid, "POST", "/v1/completions")
+        rec.usage_raw = b'{"usage":{"prompt_tokens":%b,"completion_tokens":%b}}' % (usage, usage)
+        access.write(rec)
+    access.flush()
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [(x["request_id"], x["prompt_tokens"], x["completion_tokens"]) for x in lines] == [
+        ("before", 3, 3),
+        ("bad", None, None),
+        ("after", 4, 4),
+    ]
+
+
 async def test_lines_are_batched_and_written_by_the_timer_or_on_close() -> None:
     out = io.StringIO()
     access = AccessLog("json", out)

@@ -122,8 +122,10 @@ def request_id() -> str | None:
     return REQUEST_ID.get() if rec is None else rec.request_id
 
 
-_PROMPT = re.compile(rb'"prompt_tokens":\s*(\d+)')
-_COMPLETION = re.compile(rb'"completion_tokens":\s*(\d+)')
+# A count of at most 18 digits: a longer one is no count of tokens, and past
+# 64 bits orjson cannot write it (the json line, and its batch, would be lost).
+_PROMPT = re.compile(rb'"prompt_tokens":\s*(\d{1,18})(?!\d)')
+_COMPLETION = re.compile(rb'"completion_tokens":\s*(\d{1,18})(?!\d)')
 
 
 def _usage(raw: bytes) -> tuple[int | None, int | None]:
