@@ -8,9 +8,16 @@ import time
 from typing import Any
 
 from proxy.admin_cli import rank_table
-from proxy.core.settings import Settings
+from proxy.control.feed import LATE_POLLS_EXCUSED, Poller
+from proxy.core.settings import Limits, Settings, Timeouts
 from proxy.ingress.state import TABLE
+from proxy.telemetry.metrics import Metrics
+from proxy.upstream import Upstream
 from tests.conftest import FAST_POLL_S, metric_when, replicas, settings_for
+from tests.test_liveness import two_ranks
+
+# Fast polls, and a status answer of 0.5 s is late (the fakes' status_delay_s).
+LATE_POLLS = {"poll_interval_s": 0.1, "poll_timeout_s": 0.25}
 
 TOKEN = "s3cret-admin"
 
@@ -66,20 +73,83 @@ async def test_a_late_poll_of_a_rank_that_streams_keeps_it_in(fakes, proxy, http
     hung. Its group stays in rotation and its stream is not held; once it streams
     nothing, the next late poll takes it out as before."""
     a = await fakes(name="a", token_delay_s=0.02)
-    interval = 0.1
-    p = await proxy(replicas([a], timeouts={"poll_interval_s": interval, "poll_timeout_s": 0.25}))
+    p = await proxy(replicas([a], timeouts=LATE_POLLS))
     rank = p.app[TABLE].ranks["a"]
     caplog.set_level(logging.INFO, logger="ftproxy.hold")
-    body = {"model": "fake-model", "prompt": "x", "max_tokens": 80, "stream": True}
+    # 0.6 s of stream: fewer late polls than are excused in a row (a cycle: 0.35 s).
+    body = {"model": "fake-model", "prompt": "x", "max_tokens": 30, "stream": True}
     routable = []
     async with http.post(p.url + "/v1/completions", json=body) as r:
         a.status_delay_s = 0.5  # every poll from now on is late: past 0.25 s
         async for _ in r.content:
             routable.append(rank.routable)
-    assert len(routable) > 40 and all(routable), routable
+    assert len(routable) > 20 and all(routable), routable
     assert not [m for m in caplog.messages if "stream held" in m]
     assert await p.app[TABLE].wait_for(lambda: not rank.routable, 1.0)
     assert rank.reason == "poll failed: RankTimeout"
+
+
+async def test_a_streaming_rank_whose_polls_stay_late_is_out_after_the_excused_ones(
+    fakes, proxy, http
+) -> None:
+    """Late polls are excused LATE_POLLS_EXCUSED times in a row, however much
+    it streams: what looks like progress may be old bytes read late (a frozen
+    rank's, drained by a slow client), so a rank whose every poll is late is
+    out within (LATE_POLLS_EXCUSED + 1) poll cycles."""
+    a = await fakes(name="a", token_delay_s=0.02)
+    p = await proxy(replicas([a], timeouts=LATE_POLLS))
+    rank = p.app[TABLE].ranks["a"]
+    cycle = LATE_POLLS["poll_interval_s"] + LATE_POLLS["poll_timeout_s"]
+    body = {"model": "fake-model", "prompt": "x", "max_tokens": 400, "stream": True}
+    async with http.post(p.url + "/v1/completions", json=body) as r:
+        await r.content.readline()
+        a.status_delay_s = 0.5
+        t0 = time.monotonic()
+        assert await p.app[TABLE].wait_for(lambda: not rank.routable, 4 * cycle + 0.5)
+        took = time.monotonic() - t0
+        assert (LATE_POLLS_EXCUSED + 1) * LATE_POLLS["poll_timeout_s"] <= took, took
+        assert a.streamed < 400  # it was still streaming
+    assert rank.reason == "poll failed: RankTimeout"
+
+
+async def test_a_moved_rank_s_old_streams_do_not_excuse_its_new_server_s_late_polls(
+    fakes,
+) -> None:
+    """A reload gives rank a a new url (a new table entry). Events of its stream
+    on the old server are progress of the old entry, not of the new one: the
+    new server's first late poll takes it out."""
+    new = await fakes(name="a")
+    table, live = two_ranks()
+    old_stream = live.sent("a", 100, judged=True)  # to the old url
+    table.apply(
+        Settings(
+            groups=[
+                {"name": "g-a", "ranks": [{"name": "a", "url": new.url}]},
+                {"name": "g-b", "ranks": [{"name": "b", "url": "http://127.0.0.1:2"}]},
+            ]
+        ).groups
+    )
+    t = Timeouts(poll_timeout_s=0.3)
+    upstream = Upstream(t)
+    try:
+        poller = Poller(table, upstream, t, Metrics(table), Limits())
+        moved = table.ranks["a"]
+        await poller.poll_once(moved)
+        assert moved.routable, moved.unroutable_reason
+        new.freeze()
+
+        async def old_server_streams_on() -> None:
+            for _ in range(10):
+                await asyncio.sleep(0.05)
+                old_stream.heard()
+
+        relaying = asyncio.create_task(old_server_streams_on())
+        await poller.poll_once(moved)  # times out: the new server hangs
+        await relaying
+        assert not moved.routable, "the old server's events excused the new one's late poll"
+    finally:
+        new.thaw()
+        await upstream.close()
 
 
 async def test_a_hung_api_server_is_not_routable_within_two_polls(fakes, proxy, http) -> None:

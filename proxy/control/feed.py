@@ -73,6 +73,9 @@ async def follow(
 
 
 REFUSED_KEY = "the rank refuses the proxy's key (upstream_api_key)"
+# Late polls of a streaming rank let pass in a row (Poller._excused): a frozen
+# rank is out within (LATE_POLLS_EXCUSED + 1) * (poll_interval_s + poll_timeout_s).
+LATE_POLLS_EXCUSED = 2
 
 
 class Poller:
@@ -85,6 +88,7 @@ class Poller:
         self.restarts = metrics.task_restarts
         self.bound = Bound("status", limits.max_status_bytes, t.poll_timeout_s, metrics.too_large)
         self._lost: set[str] = set()  # FT ranks whose status path answered 404 or 401 (warned)
+        self._late: dict[str, int] = {}  # rank: its late polls excused in a row
 
     async def run(self) -> None:
         await follow(
@@ -105,10 +109,7 @@ class Poller:
         try:
             status, detail = await self._read_status(rank)
         except RankError as e:
-            if isinstance(e, RankTimeout) and rank.progress_at > sent_at:
-                # Its API server relayed an event after this poll was sent:
-                # busy (a saturated server answers polls late), not hung. A
-                # hung one streams nothing either, and the next poll says so.
+            if isinstance(e, RankTimeout) and self._excused(rank, sent_at):
                 log.debug("rank %s: status poll late while it streams", rank.name)
                 return
             # A failure is known only now: stamped now, so it outranks every
@@ -118,9 +119,22 @@ class Poller:
                 rank.api = ""  # it may come back another build: probe it again
             self.table.observe(rank.name, None, Source.POLL, reachable=False, reason=reason)
             return
+        self._late.pop(rank.name, None)
         self.table.observe(
             rank.name, sent_at, Source.POLL, reachable=True, status=status, detail=detail
         )
+
+    def _excused(self, rank: Rank, sent_at: float) -> bool:
+        """A poll that timed out, of a rank that relayed an event after it was
+        sent: busy (a saturated API server answers polls late), not hung, up to
+        LATE_POLLS_EXCUSED in a row. A hung server streams nothing either; a
+        frozen one whose old bytes a slow client still drains (read late, they
+        look like progress) is out at the next late poll past that."""
+        late = self._late.get(rank.name, 0)
+        if rank.progress_at <= sent_at or late >= LATE_POLLS_EXCUSED:
+            return False
+        self._late[rank.name] = late + 1
+        return True
 
     async def _read_status(self, rank: Rank) -> tuple[RankStatus | str | None, dict[str, Any]]:
         """The rank's status and its detail; None: this poll tells only

@@ -89,6 +89,10 @@ class Ticket:
             if at - self.last <= self.owner.allowance(self.size):
                 self.owner.prompt[self.rank] = at
         self.last = at
+        if self.target is not None:
+            # On the entry it was sent to: a moved rank's old server streaming
+            # on says nothing of the new one's late polls (proxy.control.feed).
+            self.target.progress_at = at
         self.owner.progress(self.rank, at)
 
     def answered(self, response: RankResponse | None) -> None:
@@ -165,10 +169,7 @@ class Liveness:
         """Called per event: kept to a store and a lookup."""
         self._progress[name] = at
         rank = self.table.ranks.get(name)
-        if rank is None:
-            return
-        rank.progress_at = at
-        if rank.ejected is not None:
+        if rank is not None and rank.ejected is not None:
             self._readmit(name, "it answered again")
 
     def check(self, now: float | None = None) -> None:
