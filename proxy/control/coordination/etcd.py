@@ -508,16 +508,14 @@ class Etcd(Coordination):
         return out
 
     # -- weights ------------------------------------------------------------------
-    async def set_weight(self, rank: str, weight: int) -> bool:
+    async def set_weight(self, rank: str, weight: int) -> None:
         await self.client.put(self._key("weights", rank), weight)
-        return True
 
     async def weights(self) -> dict[str, int] | None:
         return await self._values("weights", _weight)
 
-    async def set_removed(self, rank: str) -> bool:
+    async def set_removed(self, rank: str) -> None:
         await self.client.put(self._key("removed", rank), True)
-        return True
 
     async def removed(self) -> set[str] | None:
         # A rank once removed never comes back: only the value written means it.
