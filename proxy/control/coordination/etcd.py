@@ -596,8 +596,6 @@ def _spec(record: dict[str, Any]) -> RoundSpec:
 
 
 def _report(data: dict[str, Any]) -> RoundReport:
-    ranks = [RankReport(**r) for r in data.get("ranks", [])]
-    report = RoundReport(**{k: v for k, v in data.items() if k != "ranks"})
-    report.ranks = ranks
+    report = RoundReport(**{**data, "ranks": [RankReport(**r) for r in data.get("ranks", [])]})
     report.outcome = Outcome.parse(report.outcome)
     return report
