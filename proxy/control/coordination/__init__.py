@@ -42,7 +42,6 @@ WEIGHTS_EVERY_S = 0.25
 class Coordination:
     """The memory backend, and the interface the others keep."""
 
-    name = "memory"
     # Rounds are kept in the backend itself (etcd): run them via proxy.control.coordination.etcd.
     shared_rounds = False
 

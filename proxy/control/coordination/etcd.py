@@ -104,7 +104,6 @@ REPORT_RETRY = RetryPolicy(base_s=0.2, cap_s=1.6, max_attempts=10)
 
 
 class Etcd(Coordination):
-    name = "etcd"
     shared_rounds = True
 
     def __init__(self, cfg: EtcdConfig, groups: Iterable[str] = ()) -> None:

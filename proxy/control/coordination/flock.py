@@ -21,8 +21,6 @@ TRY_LOCK = RetryPolicy(base_s=TRY_EVERY_S, cap_s=TRY_EVERY_S)
 
 
 class FlockFile(Coordination):
-    name = "flock"
-
     def __init__(self, run_dir: Path) -> None:
         super().__init__()
         self._leader.clear()
