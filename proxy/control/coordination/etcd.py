@@ -406,13 +406,10 @@ class Etcd(Coordination):
             owner = (key + "/owner", self.me, self.lease)
             self._driving.add(round_id)  # a tick reading it before the answer leaves it to us
             try:
-                created = await self.client.create(key, fresh, also=[owner], mod_revision=revision)
-            except EtcdError:
-                self._driving.discard(round_id)  # if it was written, a tick drives it
-                raise
-            if created:
-                return await self._drive(key, fresh, already_sent=False)
-            self._driving.discard(round_id)
+                if await self.client.create(key, fresh, also=[owner], mod_revision=revision):
+                    return await self._drive(key, fresh, already_sent=False)
+            finally:  # driven, or not ours (a failed write that landed: a tick drives it)
+                self._driving.discard(round_id)
             # Someone else created one first: look again (join or 409).
 
     async def _drive(self, key: str, record: dict[str, Any], already_sent: bool) -> RoundReport:
