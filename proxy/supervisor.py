@@ -102,9 +102,8 @@ class Supervisor:
 
     # -- signals ----------------------------------------------------------------
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
-        first = not self.stopping
         self.stopping = True
-        if first and self.sock is not None:
+        if self.sock is not None:  # the first signal
             self.sock.close()  # the workers hold the listener until they drain
             self.sock = None
         self._forward(signum)  # a second signal makes the workers hurry

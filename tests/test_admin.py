@@ -14,7 +14,13 @@ from typing import Any
 import aiohttp
 import yaml
 
+from proxy.control.coordination import Coordination
+from proxy.control.ranks import RankStatus, RankTable, Source
+from proxy.control.recovery import AutoRecovery, Outcome, Recovery, RoundReport, RoundSpec
+from proxy.core.errors import RoundInProgress
+from proxy.core.settings import Settings
 from proxy.ingress.state import METRICS, TABLE
+from proxy.telemetry.metrics import Metrics
 from tests.conftest import free_port, serve_process, settings_for
 
 TOKEN = "s3cret-admin"
@@ -168,6 +174,44 @@ async def test_auto_recovery_gives_up_after_bounded_attempts(fakes, proxy, http)
     assert len(a.applies) == 2  # bounded
     rounds = p.app[METRICS].recovery_rounds.labels("dp-a", "failed", "auto")._value.get()
     assert rounds == 2
+
+
+class _BusyOnce(Coordination):
+    """Its first round is another caller's (409), every later one fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[RoundSpec] = []
+
+    async def run_round(self, spec: RoundSpec, trigger: str) -> RoundReport:
+        self.asked.append(spec)
+        if len(self.asked) == 1:
+            raise RoundInProgress(spec.group, "r-1", "scale_down")
+        return RoundReport(spec.group, f"r{len(self.asked)}", "retry", outcome=Outcome.FAILED)
+
+    async def wait_round_idle(self, group: str) -> None:
+        pass
+
+
+async def test_auto_recovery_counts_no_round_of_other_work_as_an_attempt() -> None:
+    auto = {"enabled": True, "grace_s": 0, "backoff_s": 0, "max_attempts": 2}
+    ranks = [{"name": "a", "url": "http://127.0.0.1:9"}]
+    s = Settings(groups=[{"name": "dp-a", "ranks": ranks, "auto_recovery": auto}])
+    table = RankTable(s.groups)
+    table.observe("a", None, Source.POLL, reachable=True, status=RankStatus.UNHEALTHY)
+    metrics = Metrics(table)
+    coord = _BusyOnce()
+    task = asyncio.create_task(AutoRecovery(Recovery(table, None, s, metrics), coord).run())
+    gave_up = metrics.auto_recovery.labels("dp-a", "gave_up")
+    try:
+        for _ in range(100):
+            if gave_up._value.get():
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    # The operator's round is skipped, not counted: two failed rounds of its own after it.
+    assert gave_up._value.get() == 1 and len(coord.asked) == 3, coord.asked
 
 
 async def test_scale_down_goes_to_survivors_and_stops_routing(fakes, proxy, http) -> None:

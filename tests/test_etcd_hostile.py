@@ -20,6 +20,7 @@ from aiohttp import web
 from proxy.control.coordination import COORD
 from proxy.control.coordination.etcd import Client
 from proxy.control.ranks import RankTable
+from proxy.control.recovery import RoundSpec
 from proxy.core.errors import EtcdError
 from proxy.core.settings import EtcdConfig, Settings
 from proxy.ingress.state import METRICS, TABLE
@@ -512,6 +513,41 @@ async def test_a_round_whose_write_failed_or_lost_its_answer_is_still_driven_onc
         assert await round_ends(client) == "recovered"
         assert sample(p, "ftproxy_task_restarts_total", task="auto-recovery") == 0
         assert "Traceback" not in caplog.text
+    finally:
+        await client.close()
+
+
+async def test_a_round_whose_caller_left_before_its_write_was_answered_is_still_driven(
+    etcd, fakes, proxy, monkeypatch
+) -> None:
+    # The caller (an admin call whose client went away) is cancelled with the
+    # round's record in etcd and the write's answer not in: the round, owned
+    # by this live process, must not stay "waiting" with nobody to drive it.
+    a, b = await fakes(name="a"), await fakes(name="b")
+    p = await proxy(coordinated([a, b], etcd))
+    coord = p.app[COORD]
+    assert await until(lambda: coord.is_leader("dp-a"), 5)
+    create, written = coord.client.create, asyncio.Event()
+
+    async def answer_late(key: str, value: Any, *args: Any, **kw: Any) -> bool:
+        done = await create(key, value, *args, **kw)
+        if key == "/ftproxy/rounds/dp-a" and not written.is_set():
+            written.set()
+            await asyncio.sleep(30)
+        return done
+
+    monkeypatch.setattr(coord.client, "create", answer_late)
+    client = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        a.fault()
+        b.fault()
+        caller = asyncio.create_task(
+            coord.run_round(RoundSpec("dp-a", wait_unhealthy_s=5), "admin")
+        )
+        await asyncio.wait_for(written.wait(), 5)
+        caller.cancel()
+        assert await round_ends(client, 10) == "recovered"
+        assert len(a.applies) == len(b.applies) == 1
     finally:
         await client.close()
 

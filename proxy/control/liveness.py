@@ -355,7 +355,6 @@ class Liveness:
         elif self.table.ranks.get(rank.name) is rank:
             self._suspects.pop(rank.name, None)
             self.progress(rank.name, time.monotonic())  # readmits an ejected rank
-            self._readmit(rank.name, "a probe was answered")
 
     def _unanswered(self, rank: Rank) -> None:
         """A suspect's probe failed too: out, while a peer answers."""

@@ -206,7 +206,6 @@ class RankTable:
             diff["removed"].append(name)
         for name, (group, index, cfg) in wanted.items():
             rank = self.ranks.get(name)
-            dp_rank = cfg.dp_rank if cfg.dp_rank is not None else index
             engine = engines[group]
             wanted_as = (cfg.url, cfg.status_feed, engine)
             if rank is None or (rank.url, rank.status_feed, rank.engine) != wanted_as:
@@ -217,8 +216,8 @@ class RankTable:
             elif (rank.weight, rank.group) != (cfg.weight, group):
                 diff["changed"].append(name)
                 rank.weight, rank.group = cfg.weight, group
-            self.ranks[name].dp_rank = dp_rank
-            self.ranks[name].engine_healthy = group in scraped
+            rank.dp_rank = cfg.dp_rank if cfg.dp_rank is not None else index
+            rank.engine_healthy = group in scraped
         self.notify()
         return diff
 

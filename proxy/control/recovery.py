@@ -385,9 +385,8 @@ class AutoRecovery:
             if not self._all_unhealthy(name):
                 self._decide(name, Decision.SKIPPED, "the group changed during the grace period")
                 continue
-            attempts += 1
             self._decide(
-                name, Decision.RETRY, f"attempt {attempts}/{cfg.max_attempts} after {delay:g}s"
+                name, Decision.RETRY, f"attempt {attempts + 1}/{cfg.max_attempts} after {delay:g}s"
             )
             spec = RoundSpec(group=name, wait_unhealthy_s=1.0, recover_s=cfg.recover_s)
             try:
@@ -395,7 +394,6 @@ class AutoRecovery:
             except RoundInProgress as busy:
                 # An operator's round for other work (a scale_down) owns the
                 # group; it is not an attempt of ours. Look again after it.
-                attempts -= 1
                 self._decide(name, Decision.SKIPPED, busy.message)
                 await self.coord.wait_round_idle(name)
                 continue
@@ -403,10 +401,10 @@ class AutoRecovery:
                 # The shared round store did not answer (etcd): a failed
                 # attempt; a round it did start is driven to its end all the
                 # same by its owner, and the next attempt joins it.
+                attempts += 1
                 self._decide(name, Decision.FAILED, e.message)
                 continue
-            if report.outcome == Outcome.RECOVERED:
-                attempts = 0
+            attempts = 0 if report.outcome == Outcome.RECOVERED else attempts + 1
 
     def _all_unhealthy(self, name: str) -> bool:
         ranks = self.table.group(name)

@@ -109,6 +109,9 @@ class Metrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r)
 
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=r)
+
         self.task_restarts = counter(
             "ftproxy_task_restarts", "Background tasks restarted after dying, by task", "task"
         )
@@ -151,11 +154,7 @@ class Metrics:
         self.ttfb = histogram(
             "ftproxy_upstream_ttfb_seconds", "Upstream time to first byte", _LATENCY_BUCKETS, "rank"
         )
-        self.queued = Gauge(
-            "ftproxy_queued_requests",
-            "Requests waiting for a healthy rank",
-            registry=r,
-        )
+        self.queued = gauge("ftproxy_queued_requests", "Requests waiting for a healthy rank")
         self.no_rank = counter(
             "ftproxy_no_healthy_rank", "Requests answered 503: no healthy rank in time"
         )
@@ -164,10 +163,8 @@ class Metrics:
             "Status change published -> in the rank table",
             (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
         )
-        self.streams_held = Gauge(
-            "ftproxy_streams_held",
-            "Client streams on hold through a fault now",
-            registry=r,
+        self.streams_held = gauge(
+            "ftproxy_streams_held", "Client streams on hold through a fault now"
         )
         self.hold_seconds = histogram(
             "ftproxy_hold_seconds",

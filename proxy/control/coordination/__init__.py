@@ -42,7 +42,6 @@ WEIGHTS_EVERY_S = 0.25
 class Coordination:
     """The memory backend, and the interface the others keep."""
 
-    name = "memory"
     # Rounds are kept in the backend itself (etcd): run them via proxy.control.coordination.etcd.
     shared_rounds = False
 
@@ -99,18 +98,16 @@ class Coordination:
         await asyncio.sleep(WEIGHTS_EVERY_S if at_most is None else at_most)
 
     # -- live weights -----------------------------------------------------------
-    async def set_weight(self, rank: str, weight: int) -> bool:
-        """Record an override for every process; False: none is kept (memory)."""
-        return False
+    async def set_weight(self, rank: str, weight: int) -> None:
+        """Record an override for every process (memory: none is kept)."""
 
     async def weights(self) -> dict[str, int] | None:
         """The overrides in force (None: this backend keeps none)."""
         return None
 
     # -- ranks a scale_down took out of their group --------------------------------
-    async def set_removed(self, rank: str) -> bool:
-        """Record for every process that ``rank`` left its group; False: not kept."""
-        return False
+    async def set_removed(self, rank: str) -> None:
+        """Record for every process that ``rank`` left its group (memory: not kept)."""
 
     async def removed(self) -> set[str] | None:
         """Ranks that left their group (None: this backend keeps none)."""

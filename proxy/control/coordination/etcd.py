@@ -104,7 +104,6 @@ REPORT_RETRY = RetryPolicy(base_s=0.2, cap_s=1.6, max_attempts=10)
 
 
 class Etcd(Coordination):
-    name = "etcd"
     shared_rounds = True
 
     def __init__(self, cfg: EtcdConfig, groups: Iterable[str] = ()) -> None:
@@ -407,13 +406,10 @@ class Etcd(Coordination):
             owner = (key + "/owner", self.me, self.lease)
             self._driving.add(round_id)  # a tick reading it before the answer leaves it to us
             try:
-                created = await self.client.create(key, fresh, also=[owner], mod_revision=revision)
-            except EtcdError:
-                self._driving.discard(round_id)  # if it was written, a tick drives it
-                raise
-            if created:
-                return await self._drive(key, fresh, already_sent=False)
-            self._driving.discard(round_id)
+                if await self.client.create(key, fresh, also=[owner], mod_revision=revision):
+                    return await self._drive(key, fresh, already_sent=False)
+            finally:  # driven, or not ours (a failed write that landed: a tick drives it)
+                self._driving.discard(round_id)
             # Someone else created one first: look again (join or 409).
 
     async def _drive(self, key: str, record: dict[str, Any], already_sent: bool) -> RoundReport:
@@ -508,16 +504,14 @@ class Etcd(Coordination):
         return out
 
     # -- weights ------------------------------------------------------------------
-    async def set_weight(self, rank: str, weight: int) -> bool:
+    async def set_weight(self, rank: str, weight: int) -> None:
         await self.client.put(self._key("weights", rank), weight)
-        return True
 
     async def weights(self) -> dict[str, int] | None:
         return await self._values("weights", _weight)
 
-    async def set_removed(self, rank: str) -> bool:
+    async def set_removed(self, rank: str) -> None:
         await self.client.put(self._key("removed", rank), True)
-        return True
 
     async def removed(self) -> set[str] | None:
         # A rank once removed never comes back: only the value written means it.
@@ -598,8 +592,6 @@ def _spec(record: dict[str, Any]) -> RoundSpec:
 
 
 def _report(data: dict[str, Any]) -> RoundReport:
-    ranks = [RankReport(**r) for r in data.get("ranks", [])]
-    report = RoundReport(**{k: v for k, v in data.items() if k != "ranks"})
-    report.ranks = ranks
+    report = RoundReport(**{**data, "ranks": [RankReport(**r) for r in data.get("ranks", [])]})
     report.outcome = Outcome.parse(report.outcome)
     return report

@@ -21,8 +21,6 @@ TRY_LOCK = RetryPolicy(base_s=TRY_EVERY_S, cap_s=TRY_EVERY_S)
 
 
 class FlockFile(Coordination):
-    name = "flock"
-
     def __init__(self, run_dir: Path) -> None:
         super().__init__()
         self._leader.clear()
@@ -36,17 +34,15 @@ class FlockFile(Coordination):
     # Weight overrides: one JSON file, replaced atomically; each worker reads
     # it every WEIGHTS_EVERY_S. Writers take a second lock so two PATCHes on
     # two workers never lose one another's rank.
-    async def set_weight(self, rank: str, weight: int) -> bool:
+    async def set_weight(self, rank: str, weight: int) -> None:
         self._update("weights.json", rank, weight)
-        return True
 
     async def weights(self) -> dict[str, int] | None:
         return _read(self.run_dir / "weights.json")
 
     # Ranks a scale_down took out of their group: the same way, another file.
-    async def set_removed(self, rank: str) -> bool:
+    async def set_removed(self, rank: str) -> None:
         self._update("removed.json", rank, 1)
-        return True
 
     async def removed(self) -> set[str] | None:
         return set(_read(self.run_dir / "removed.json"))

@@ -110,12 +110,6 @@ def _int(field: Any) -> int:
     raise ValueError(f"not a number: {str(field)[:40]!r}")
 
 
-def _asked(key: bytes, start: bytes, end: bytes | None) -> bool:
-    """Whether a range answer's key is one the range asked for (``end`` None:
-    ``start`` alone)."""
-    return key == start if end is None else start <= key < end
-
-
 def _entry(kv: Any) -> tuple[str, Stored]:
     """A key-value of a range answer or watch event (ValueError: not its shape)."""
     if not isinstance(kv, dict):
@@ -282,17 +276,20 @@ class Client:
 
     # -- kv -----------------------------------------------------------------------
     async def get(self, key: str) -> Stored | None:
-        return (await self._range({"key": b64(key)})).get(key)
+        return (await self._range(key, prefix=False)).get(key)
 
     async def get_prefix(self, prefix: str) -> dict[str, Stored]:
-        return await self._range({"key": b64(prefix), "range_end": prefix_end(prefix)})
+        return await self._range(prefix, prefix=True)
 
-    async def _range(self, body: dict[str, Any]) -> dict[str, Stored]:
+    async def _range(self, start: str, prefix: bool) -> dict[str, Stored]:
+        """``start`` alone, or every key beginning with it; an entry of another
+        key is not one the range asked for, and is skipped."""
+        body = {"key": b64(start)}
+        if prefix:
+            body["range_end"] = prefix_end(start)
         kvs = (await self.call("/v3/kv/range", body)).get("kvs", [])
         if not isinstance(kvs, list):
             raise EtcdError(f"etcd /v3/kv/range: kvs is not a list: {str(kvs)[:100]!r}")
-        start = base64.b64decode(body["key"])
-        end = base64.b64decode(body["range_end"]) if "range_end" in body else None
         found: dict[str, Stored] = {}
         for kv in kvs:
             try:
@@ -300,7 +297,7 @@ class Client:
             except ValueError as e:
                 self.junk.skip("entry", "etcd range", str(e))
                 continue
-            if not _asked(key.encode(), start, end):
+            if not (key.startswith(start) if prefix else key == start):
                 self.junk.skip("entry", "etcd range", f"key {key[:60]!r} outside the range")
                 continue
             found[key] = stored
