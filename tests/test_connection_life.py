@@ -19,12 +19,12 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy.ingress.drain import InFlight
-from proxy.ingress.protocol import ConnReply
+from proxy.ingress.protocol import Connection, ConnReply
 from proxy.ingress.routes import Request
 from proxy.ingress.state import METRICS
 from proxy.server import Running
 from tests.conftest import capture_access_log as capture
-from tests.conftest import settings_for
+from tests.conftest import settings_for, until
 from tests.test_raw_requests import BODY, STREAM, _Answers, both, exchange, head
 
 JSON_LOGS = {"access_log": True, "format": "json"}
@@ -425,6 +425,32 @@ async def test_answered_requests_leave_no_cycles_for_the_collector(fakes, proxy)
         gc.collect()
         kinds = (ConnReply, InFlight, Request)
         left = [type(o).__name__ for o in gc.garbage if isinstance(o, kinds)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == []
+
+
+async def test_closed_connections_leave_no_cycles_for_the_collector(fakes, proxy) -> None:
+    """A connection that closed, answered or left mid-stream, goes with its last
+    reference: its parser held it (the parser's callbacks are its bound
+    methods), so every one waited for a full collector pass, and those are rare
+    under the serving thresholds (proxy.server.GC_THRESHOLDS)."""
+    rank = await fakes(name="a", token_delay_s=0.01)
+    p = await proxy(settings_for([rank]))
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        await exchange(p.port, head(BODY) + BODY)
+        long = b'{"model": "fake-model", "prompt": "x", "max_tokens": 500, "stream": true}'
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        writer.write(head(long) + long)
+        assert (await reader.readuntil(b"data: ")).startswith(b"HTTP/1.1 200")
+        writer.close()  # mid-stream: the client leaves
+        assert await until(lambda: not p.listener.connections, 3.0)
+        await asyncio.sleep(0.1)  # the stream's task ends after its connection
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage if isinstance(o, Connection)]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()

@@ -290,6 +290,14 @@ class Connection(asyncio.Protocol):
                 msg.body.fail(ConnectionResetError("the client went away"))
         if self.task is not None:  # the upstream request is closed with it
             self.task.cancel()
+        # Nothing is parsed or answered now (a task that ends is handed its
+        # message). The parser's callbacks are this connection's bound methods,
+        # and a message's body refers back to it: kept, they would wait for a
+        # full collector pass (rare: proxy.server.GC_THRESHOLDS) instead of
+        # going with the connection's last reference.
+        del self.parser
+        self.answering = self.parsing = None
+        self.queue.clear()
 
     def pause_writing(self) -> None:
         """The client is not taking its answer as fast as it is written:
