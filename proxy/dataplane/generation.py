@@ -93,8 +93,7 @@ async def _stream(
     if up.status != 200 or up.content_type != "text/event-stream":
         return await relay.relay(reply, attempt)  # errors pass through as they are
     sink = await reply.open_stream(200, response_headers(up.header_items()))
-    await HeldStream(relay, out, book, refused, sink).run(attempt)
-    await reply.close_stream()
+    await HeldStream(relay, out, book, refused, sink).run(attempt, reply.close_stream)
 
 
 async def _whole(
