@@ -305,7 +305,8 @@ class Connection(asyncio.Protocol):
         self.send_watch.stop()  # the client took enough
 
     async def drain(self) -> None:
-        await self._writable.wait()
+        if not self._writable.is_set():  # most often it is: no coroutine for the wait
+            await self._writable.wait()
         if self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the client went away")
 
