@@ -90,7 +90,7 @@ async def test_a_bug_after_the_stream_began_cuts_it(fakes, proxy, http, monkeypa
     a = await fakes(name="a")
     p = await proxy(settings_for([a]))
 
-    async def broken(self: object, attempt: object) -> None:
+    async def broken(self: object, *args: object) -> None:
         raise RuntimeError("a bug mid-stream")
 
     monkeypatch.setattr(HeldStream, "run", broken)

@@ -240,6 +240,37 @@ async def test_an_answer_without_a_body_has_no_length_either(status: int) -> Non
     assert b"content-length" not in head.lower() and body == b""
 
 
+async def test_answer_heads_byte_for_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The status line, the rank's headers in their order, the request id,
+    the proxy's Date and Server where the rank sent none, the connection's
+    fate, the framing: the same bytes however the head is put together."""
+    monkeypatch.setattr("proxy.ingress.protocol.time.time", lambda: 1796410000.5)
+    rank = CIMultiDict({"date": "Mon, 01 Jan 2024 00:00:00 GMT", "server": "uvicorn",
+                        "content-type": "application/json"})  # fmt: skip
+    conn = _Conn()
+    await conn_reply(conn, Drain()).whole(200, rank, b"{}")
+    assert conn.transport.written == (
+        b"HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\nserver: uvicorn\r\n"
+        b"content-type: application/json\r\nX-Request-Id: rid-1\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    conn = _Conn()
+    reply = conn_reply(conn, Drain())
+    reply.end_connection()
+    await reply.whole(520, CIMultiDict({"X-Request-Id": "the rank's", "Connection": "x"}), b"")
+    assert conn.transport.written == (
+        b"HTTP/1.1 520 \r\nX-Request-Id: rid-1\r\nDate: Fri, 04 Dec 2026 18:46:40 GMT\r\n"
+        b"Server: ft-proxy\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    )
+    conn = _Conn()
+    reply = ConnReply(conn, Drain(), keep_alive=True, head=False, http10=True)  # type: ignore[arg-type]
+    reply.request_id = "rid-2"
+    await reply.open_stream(503, CIMultiDict({"Server": "s", "Date": "d"}))
+    assert conn.transport.written == (
+        b"HTTP/1.1 503 Service Unavailable\r\nServer: s\r\nDate: d\r\nX-Request-Id: rid-2\r\n"
+        b"Connection: close\r\n\r\n"
+    )
+
+
 async def test_a_half_close_is_taken_as_the_client_leaving(fakes, proxy) -> None:
     """A FIN is a close: the upstream request is closed at once (vLLM aborts
     it), as nginx and uvicorn do, whether or not the client still reads."""

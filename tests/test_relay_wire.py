@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -11,8 +12,10 @@ import pytest
 from bench.backend import Conn
 from bench.validate import Ask, check_stream, sse_payloads
 from proxy.core.settings import Settings
+from proxy.dataplane.hold.hold import Hold, ResumedBy
+from proxy.ingress.state import METRICS
 from proxy.server import Running
-from tests.conftest import dechunk
+from tests.conftest import capture_access_log, dechunk, until
 
 ASK = Ask(12, ids=True, usage=True)
 
@@ -44,15 +47,21 @@ async def _proxy(proxy: Callable[..., Any], port: int) -> Running:
     return running
 
 
-async def _raw(port: int, version: str) -> bytes:
-    body = (b'{"model":"m","prompt":"x","max_tokens":12,"stream":true,"pace_s":0.0005,'
-            b'"return_token_ids":true,"stream_options":{"include_usage":true}}')  # fmt: skip
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(
+BODY = (b'{"model":"m","prompt":"x","max_tokens":12,"stream":true,"pace_s":0.0005,'
+        b'"return_token_ids":true,"stream_options":{"include_usage":true}}')  # fmt: skip
+
+
+def _request(version: str, connection: str = "close") -> bytes:
+    return (
         f"POST /v1/completions HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-        + body
+        f"Content-Length: {len(BODY)}\r\nConnection: {connection}\r\n\r\n".encode()
+        + BODY
     )
+
+
+async def _raw(port: int, version: str) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_request(version))
     raw = await asyncio.wait_for(reader.read(-1), 10)
     writer.close()
     return raw
@@ -78,3 +87,40 @@ async def test_http10_client_gets_the_stream_unchunked(
     head, _, body = (await _raw(running.port, "1.0")).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.") and b"chunked" not in head.lower()
     check_stream(ASK, sse_payloads(body))
+
+
+async def test_the_stream_ends_on_the_wire_before_its_bookkeeping(
+    rank: int, proxy: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's last chunk is not kept waiting for the stream's
+    bookkeeping (its hold's end, metrics, the upstream's close): it is in the
+    client's socket when that runs. A client that leaves the moment it has
+    its end still leaves a stream that ended well: answered 200, finished."""
+    running = await _proxy(proxy, rank)
+    log = capture_access_log(running)
+    client = socket.create_connection(("127.0.0.1", running.port))
+    client.setblocking(False)
+    seen: list[bytes] = []
+    end = Hold.end
+
+    def bookkeeping(self: Hold, mode: ResumedBy | None) -> None:
+        try:
+            seen.append(client.recv(1 << 20, socket.MSG_PEEK))
+        except BlockingIOError:
+            seen.append(b"")
+        client.close()  # the client has its end (or not): it leaves now
+        end(self, mode)
+
+    monkeypatch.setattr(Hold, "end", bookkeeping)
+    try:
+        await asyncio.get_running_loop().sock_sendall(client, _request("1.1", "keep-alive"))
+        assert await until(lambda: bool(seen), 5.0), "the stream's bookkeeping never ran"
+    finally:
+        client.close()
+    head, _, body = seen[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), seen[0][:200]
+    assert body.endswith(b"\r\n0\r\n\r\n"), "the last chunk waited for the bookkeeping"
+    check_stream(ASK, sse_payloads(dechunk(body)))
+    assert await until(lambda: "end=" in log.getvalue(), 2.0)
+    assert " 200 " in log.getvalue() and "end=finished" in log.getvalue(), log.getvalue()
+    assert running.app[METRICS].requests.labels("r0", "200")._value.get() == 1

@@ -6,6 +6,10 @@
  * the token bookkeeping on bytes and the client's bytes for the whole read.
  * The book's state stays with Python: relay() returns what to add to it and
  * the events, in order, that Python must handle itself.
+ *
+ * And one check of a whole (non-streamed) answer: is_object(), whether its
+ * body is a JSON object as orjson reads one (the reference:
+ * proxy.dataplane.generation), without building it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -508,9 +512,271 @@ bind(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* -- a whole answer's body -------------------------------------------------- */
+
+/* is_object(raw): True exactly where isinstance(orjson.loads(raw), dict)
+ * (tests/test_events_compiled.py compares the two): RFC 8259 JSON, strict
+ * UTF-8 in strings (no surrogates, no overlong forms), paired \u surrogates,
+ * at most 1024 nested containers, no number that is infinite as a double,
+ * and an object at the top, with only whitespace around it. */
+
+#define MAX_DEPTH 1024
+
+static const unsigned char *
+skip_ws(const unsigned char *p, const unsigned char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t'))
+        p++;
+    return p;
+}
+
+static int
+hex4(const unsigned char *p, const unsigned char *end, unsigned *u)
+{
+    if (end - p < 4)
+        return 0;
+    *u = 0;
+    for (int i = 0; i < 4; i++) {
+        unsigned c = p[i], d;
+        if (c >= '0' && c <= '9')
+            d = c - '0';
+        else if ((c | 0x20) >= 'a' && (c | 0x20) <= 'f')
+            d = (c | 0x20) - 'a' + 10;
+        else
+            return 0;
+        *u = *u << 4 | d;
+    }
+    return 1;
+}
+
+/* After a backslash: the end of its escape, or NULL. */
+static const unsigned char *
+scan_escape(const unsigned char *p, const unsigned char *end)
+{
+    unsigned u, low;
+    if (p >= end)
+        return NULL;
+    switch (*p) {
+    case '"':
+    case '\\':
+    case '/':
+    case 'b':
+    case 'f':
+    case 'n':
+    case 'r':
+    case 't':
+        return p + 1;
+    }
+    if (*p != 'u' || !hex4(p + 1, end, &u))
+        return NULL;
+    p += 5;
+    if (u >= 0xDC00 && u <= 0xDFFF)
+        return NULL; /* a low surrogate alone */
+    if (u >= 0xD800 && u <= 0xDBFF) {
+        if (end - p < 6 || p[0] != '\\' || p[1] != 'u' || !hex4(p + 2, end, &low)
+            || low < 0xDC00 || low > 0xDFFF)
+            return NULL; /* a high surrogate without its low one */
+        p += 6;
+    }
+    return p;
+}
+
+static int
+cont(const unsigned char *p, const unsigned char *end, Py_ssize_t n)
+{
+    if (end - p < n)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((p[i] & 0xC0) != 0x80)
+            return 0;
+    return 1;
+}
+
+/* One UTF-8 character of two to four bytes: its end, or NULL. */
+static const unsigned char *
+scan_utf8(const unsigned char *p, const unsigned char *end)
+{
+    unsigned c = p[0], next = end - p > 1 ? p[1] : 0;
+    if (c >= 0xC2 && c <= 0xDF)
+        return cont(p + 1, end, 1) ? p + 2 : NULL;
+    if (c == 0xE0 && (next < 0xA0 || next > 0xBF))
+        return NULL; /* overlong */
+    if (c == 0xED && (next < 0x80 || next > 0x9F))
+        return NULL; /* a surrogate */
+    if (c >= 0xE0 && c <= 0xEF)
+        return cont(p + 1, end, 2) ? p + 3 : NULL;
+    if (c == 0xF0 && (next < 0x90 || next > 0xBF))
+        return NULL; /* overlong */
+    if (c == 0xF4 && (next < 0x80 || next > 0x8F))
+        return NULL; /* past U+10FFFF */
+    if (c >= 0xF0 && c <= 0xF4)
+        return cont(p + 1, end, 3) ? p + 4 : NULL;
+    return NULL;
+}
+
+/* After an opening quote: the end of the string, or NULL. */
+static const unsigned char *
+scan_string(const unsigned char *p, const unsigned char *end)
+{
+    while (p < end) {
+        unsigned c = *p;
+        if (c == '"')
+            return p + 1;
+        if (c == '\\')
+            p = scan_escape(p + 1, end);
+        else if (c < 0x20)
+            return NULL; /* a control character unescaped */
+        else if (c < 0x80)
+            p++;
+        else
+            p = scan_utf8(p, end);
+        if (p == NULL)
+            return NULL;
+    }
+    return NULL;
+}
+
+static const unsigned char *
+scan_digits(const unsigned char *p, const unsigned char *end)
+{
+    if (p >= end || *p < '0' || *p > '9')
+        return NULL;
+    while (p < end && *p >= '0' && *p <= '9')
+        p++;
+    return p;
+}
+
+/* A number: its end, or NULL (also where it is infinite as a double, as
+ * orjson refuses it; integers of up to 19 digits never are). */
+static const unsigned char *
+scan_number(const unsigned char *p, const unsigned char *end)
+{
+    const unsigned char *start = p;
+    int real = 0;
+    if (p < end && *p == '-')
+        p++;
+    if (p < end && *p == '0')
+        p++;
+    else if ((p = scan_digits(p, end)) == NULL)
+        return NULL;
+    if (p < end && *p == '.') {
+        if ((p = scan_digits(p + 1, end)) == NULL)
+            return NULL;
+        real = 1;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < end && (*p == '+' || *p == '-'))
+            p++;
+        if ((p = scan_digits(p, end)) == NULL)
+            return NULL;
+        real = 1;
+    }
+    if (real || p - start > 19) {
+        /* The bytes object ends with a NUL, and what follows a number is
+         * no part of one: the parse stops at its end. */
+        char *stop;
+        double d = PyOS_string_to_double((const char *)start, &stop, NULL);
+        if (d == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return NULL;
+        }
+        if (Py_IS_INFINITY(d))
+            return NULL;
+    }
+    return p;
+}
+
+static const unsigned char *
+scan_word(const unsigned char *p, const unsigned char *end, const char *word, Py_ssize_t n)
+{
+    return end - p >= n && memcmp(p, word, (size_t)n) == 0 ? p + n : NULL;
+}
+
+static int
+json_object(const unsigned char *p, const unsigned char *end)
+{
+    char closing[MAX_DEPTH]; /* each open container's closing bracket */
+    int depth = 0;
+    p = skip_ws(p, end);
+    if (p >= end || *p != '{')
+        return 0;
+value: /* p: a value's first byte */
+    if (p >= end)
+        return 0;
+    switch (*p) {
+    case '{':
+    case '[':
+        if (depth == MAX_DEPTH)
+            return 0;
+        closing[depth++] = *p == '{' ? '}' : ']';
+        p = skip_ws(p + 1, end);
+        if (p < end && *p == closing[depth - 1]) {
+            depth--;
+            p++;
+            goto after;
+        }
+        if (closing[depth - 1] == '}')
+            goto key;
+        goto value;
+    case '"':
+        p = scan_string(p + 1, end);
+        break;
+    case 't':
+        p = scan_word(p, end, "true", 4);
+        break;
+    case 'f':
+        p = scan_word(p, end, "false", 5);
+        break;
+    case 'n':
+        p = scan_word(p, end, "null", 4);
+        break;
+    default:
+        p = scan_number(p, end);
+    }
+    if (p == NULL)
+        return 0;
+after: /* p: just past a value */
+    p = skip_ws(p, end);
+    if (depth == 0)
+        return p == end;
+    if (p < end && *p == ',') {
+        p = skip_ws(p + 1, end);
+        if (closing[depth - 1] == '}')
+            goto key;
+        goto value;
+    }
+    if (p >= end || *p != closing[depth - 1])
+        return 0;
+    depth--;
+    p++;
+    goto after;
+key: /* p: a member's first byte */
+    if (p >= end || *p != '"' || (p = scan_string(p + 1, end)) == NULL)
+        return 0;
+    p = skip_ws(p, end);
+    if (p >= end || *p != ':')
+        return 0;
+    p = skip_ws(p + 1, end);
+    goto value;
+}
+
+static PyObject *
+is_object(PyObject *Py_UNUSED(module), PyObject *raw)
+{
+    if (!PyBytes_Check(raw)) {
+        PyErr_SetString(PyExc_TypeError, "is_object(raw: bytes)");
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(raw);
+    return PyBool_FromLong(json_object(p, p + PyBytes_GET_SIZE(raw)));
+}
+
 static PyMethodDef module_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "The exception for an event over max_event bytes, and that bound."},
+    {"is_object", (PyCFunction)is_object, METH_O,
+     "Whether a whole answer's body is a JSON object, as orjson reads it."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,5 @@
-# The compiled twin of proxy.dataplane.sse.SSEParser (proxy/dataplane/_events.c).
+# The compiled twin of proxy.dataplane.sse.SSEParser (proxy/dataplane/_events.c),
+# and of proxy.dataplane.generation.parses_to_object.
 from proxy.dataplane.sse import Relayed
 
 class Parser:
@@ -7,3 +8,4 @@ class Parser:
     def relay(self, chunk: bytes, base: int, wants_ids: bool) -> Relayed: ...
 
 def bind(error: type[Exception], max_event: int, /) -> None: ...
+def is_object(raw: bytes, /) -> bool: ...

@@ -73,7 +73,9 @@ _SINGLETONS = frozenset(
 )
 _SMALL = 4096  # smaller pieces of a body are kept in one buffer
 _DECODE_STEP = 64 * 1024
-_REASONS = {s.value: s.phrase for s in HTTPStatus}
+# The constant lines of an answer's head, built once, not per answer.
+_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
+_SERVER_LINE = f"Server: {SERVER}\r\n"
 
 
 def raw_answer(
@@ -311,7 +313,8 @@ class Connection(asyncio.Protocol):
         self.send_watch.stop()  # the client took enough
 
     async def drain(self) -> None:
-        await self._writable.wait()
+        if not self._writable.is_set():  # most often it is: no coroutine for the wait
+            await self._writable.wait()
         if self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the client went away")
 
@@ -656,11 +659,12 @@ class Connection(asyncio.Protocol):
 _date_cache: tuple[int, str] = (0, "")
 
 
-def _date() -> str:
+def _date_line() -> str:
+    """The head's ``Date`` line, formatted once a second."""
     global _date_cache
     now = int(time.time())
     if _date_cache[0] != now:
-        _date_cache = (now, email.utils.formatdate(now, usegmt=True))
+        _date_cache = (now, f"Date: {email.utils.formatdate(now, usegmt=True)}\r\n")
     return _date_cache[1]
 
 
@@ -711,12 +715,12 @@ class ConnReply:
         if self.message is not None and self.message.last:
             self.keep_alive = False  # a trailer, an upgrade: nothing after it is read
         headers.popall("Connection", None)  # the proxy's own, below
-        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"]
+        lines = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} \r\n"]
         lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
         if "Date" not in headers:
-            lines.append(f"Date: {_date()}\r\n")
+            lines.append(_date_line())
         if "Server" not in headers:
-            lines.append(f"Server: {SERVER}\r\n")
+            lines.append(_SERVER_LINE)
         if not self.keep_alive:
             lines.append("Connection: close\r\n")
         elif self.http10:

@@ -137,7 +137,7 @@ def _usage(raw: bytes) -> tuple[int | None, int | None]:
 
 def refused(metrics: Metrics, err: ProxyError) -> None:
     """The proxy answered ``err`` itself: count it, and say so in the record."""
-    metrics.refusals.labels(err.code).inc()
+    metrics.child(metrics.refusals, err.code).inc()  # per request when overloaded
     rec = CURRENT.get()
     if rec is not None and isinstance(err, NoHealthyRank):
         rec.end = End.NO_RANK

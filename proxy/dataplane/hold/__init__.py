@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import orjson
@@ -69,11 +70,17 @@ class HeldStream:
         self.continuer = Continuer(self.hold, relay, out, refused)
         self.metrics = ctx.metrics
 
-    async def run(self, first: Attempt | None) -> None:
-        """Relay ``first`` to the end; with None, start by continuing."""
+    async def run(
+        self, first: Attempt | None, close: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Relay ``first`` to the end; with None, start by continuing.
+        ``close`` ends the client's stream right after its ``[DONE]``: the
+        client has its end before the stream's bookkeeping, not after it."""
         watchdog = asyncio.create_task(self.hold.watch(self.pump.keepalive))
         try:
             await self._relay_until_done(first)
+            if close is not None:
+                await close()
         finally:
             watchdog.cancel()
             self.hold.end(None)
