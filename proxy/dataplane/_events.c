@@ -515,7 +515,7 @@ bind(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 /* -- a whole answer's body -------------------------------------------------- */
 
 /* is_object(raw): True exactly where isinstance(orjson.loads(raw), dict)
- * (tests/test_events_compiled.py compares the two): RFC 8259 JSON, strict
+ * (tests/test_answer_object.py compares the two): RFC 8259 JSON, strict
  * UTF-8 in strings (no surrogates, no overlong forms), paired \u surrogates,
  * at most 1024 nested containers, no number that is infinite as a double,
  * and an object at the top, with only whitespace around it. */
