@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any, TypeVar
 
@@ -72,6 +72,25 @@ async def follow(
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
+async def each_rank(
+    table: RankTable,
+    once: Callable[[Rank], Awaitable[None]],
+    every_s: float,
+    name: str,
+    restarts: Counter | None,
+    keep: Callable[[Rank], bool] = lambda rank: True,
+) -> None:
+    """``once`` on every rank that ``keep`` selects, every ``every_s``, in a task
+    of its own (:func:`follow`) until the rank leaves the table or is not kept."""
+
+    async def forever(key: str) -> None:
+        while (rank := table.ranks.get(key)) is not None and keep(rank):
+            await once(rank)
+            await asyncio.sleep(every_s)
+
+    await follow(lambda: {r.name for r in table if keep(r)}, forever, every_s, name, restarts)
+
+
 REFUSED_KEY = "the rank refuses the proxy's key (upstream_api_key)"
 # Late polls of a streaming rank let pass in a row (Poller._excused): a frozen
 # rank is out within (LATE_POLLS_EXCUSED + 1) * (poll_interval_s + poll_timeout_s).
@@ -91,18 +110,7 @@ class Poller:
         self._late: dict[str, int] = {}  # rank: its late polls excused in a row
 
     async def run(self) -> None:
-        await follow(
-            lambda: set(self.table.ranks),
-            self._poll_forever,
-            self.t.poll_interval_s,
-            "poller",
-            self.restarts,
-        )
-
-    async def _poll_forever(self, name: str) -> None:
-        while (rank := self.table.ranks.get(name)) is not None:
-            await self.poll_once(rank)
-            await asyncio.sleep(self.t.poll_interval_s)
+        await each_rank(self.table, self.poll_once, self.t.poll_interval_s, "poller", self.restarts)
 
     async def poll_once(self, rank: Rank) -> None:
         sent_at = time.monotonic()  # an answer is at least as fresh as this

@@ -23,13 +23,12 @@ reachability: ``/health`` stays 200 while an engine is faulted.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
 
 from proxy.control import engines
-from proxy.control.feed import follow
+from proxy.control.feed import each_rank
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
 from proxy.core.errors import RankError
 from proxy.core.settings import Limits, Timeouts
@@ -95,18 +94,14 @@ class Scraper:
         self._failing: set[str] = set()  # ranks whose last scrape failed (logged)
 
     async def run(self) -> None:
-        await follow(
-            lambda: {r.name for r in self.table if r.engine_healthy},
-            self._scrape_forever,
+        await each_rank(
+            self.table,
+            self.scrape_once,
             self.t.engine_healthy_interval_s,
             "engine-healthy",
             self.restarts,
+            keep=lambda rank: rank.engine_healthy,
         )
-
-    async def _scrape_forever(self, name: str) -> None:
-        while (rank := self.table.ranks.get(name)) is not None and rank.engine_healthy:
-            await self.scrape_once(rank)
-            await asyncio.sleep(self.t.engine_healthy_interval_s)
 
     async def scrape_once(self, rank: Rank) -> None:
         sent_at = time.monotonic()  # an answer is at least as fresh as this
