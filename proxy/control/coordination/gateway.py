@@ -25,7 +25,6 @@ import json
 import logging
 import re
 import ssl
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,8 @@ from prometheus_client import Counter
 
 from proxy.core.errors import EtcdError, RankError
 from proxy.core.settings import EtcdConfig
-from proxy.upstream.bounded import LOG_EVERY_S, Bound, fetch, lines, parse_json, read_body, send
+from proxy.core.throttle import Throttle
+from proxy.upstream.bounded import Bound, fetch, lines, parse_json, read_body, send
 from proxy.upstream.client import RankClient
 
 log = logging.getLogger("ftproxy.coordination")
@@ -66,20 +66,15 @@ class Junk:
 
     def __init__(self, skipped: Counter | None = None) -> None:
         self.skipped = skipped
-        self._logged: dict[tuple[str, str], float] = {}
+        self._logged = Throttle()
 
     def skip(self, reason: str, where: str, why: str) -> None:
         if self.skipped is not None:
             self.skipped.labels(reason).inc()
-        now = time.monotonic()
-        if now - self._logged.get((reason, where), -LOG_EVERY_S) < LOG_EVERY_S:
-            return
-        if len(self._logged) > 256:
-            self._logged.clear()
-        self._logged[reason, where] = now
-        log.warning(
-            "%s: %s skipped, not of its shape (%s; logged once a minute)", where, reason, why
-        )
+        if self._logged.due((reason, where)):
+            log.warning(
+                "%s: %s skipped, not of its shape (%s; logged once a minute)", where, reason, why
+            )
 
 
 def b64(text: str) -> str:
