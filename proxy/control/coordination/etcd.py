@@ -358,14 +358,10 @@ class Etcd(Coordination):
         """Who holds each group's leader key (junk: nobody), and each key's
         revision: a key held by nobody is taken by a compare-and-swap on it."""
         at = self._key("leader") + "/"
-        holders: dict[str, str] = {}
-        revisions: dict[str, int] = {}
-        for key, stored in (await self.client.get_prefix(at)).items():
-            revisions[key[len(at) :]] = stored.revision
-            holder = self._read(key, stored, _holder)
-            if holder is not None:
-                holders[key[len(at) :]] = holder
-        return holders, revisions
+        found = await self.client.get_prefix(at)
+        holders = {k[len(at) :]: self._read(k, stored, _holder) for k, stored in found.items()}
+        revisions = {k[len(at) :]: stored.revision for k, stored in found.items()}
+        return {group: h for group, h in holders.items() if h is not None}, revisions
 
     def _lead(self, group: str) -> None:
         log.info("%s leads recovery of group %s (etcd lease %s)", self.me, group, self.lease)
