@@ -161,7 +161,6 @@ class Client:
         return self._client
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self._open()
         last: Exception | None = None
         for index, endpoint in self._endpoints():  # the first that answers
             try:
