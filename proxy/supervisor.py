@@ -72,8 +72,7 @@ class Supervisor:
         self.metrics_dir = self.run_dir / "metrics"
         self.pids: dict[int, int] = {}  # pid -> slot
         self.started: dict[int, float] = {}  # slot -> when its worker last started
-        self.stopping = False
-        self.sock: socket.socket | None = None
+        self.sock: socket.socket | None = None  # None again once a stop signal closed it
 
     def run(self) -> int:
         self.metrics_dir.mkdir()
@@ -102,7 +101,6 @@ class Supervisor:
 
     # -- signals ----------------------------------------------------------------
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
-        self.stopping = True
         if self.sock is not None:  # the first signal
             self.sock.close()  # the workers hold the listener until they drain
             self.sock = None
@@ -125,13 +123,13 @@ class Supervisor:
                 continue
             slot = self.pids.pop(pid)
             self._retire(pid)
-            if self.stopping:
+            if self.sock is None:  # stopping: the workers end for good
                 continue
             log.error("worker %d (pid %d) ended (%s); restarting it", slot, pid, _describe(status))
             wait = self.started[slot] + RESTART_MIN_INTERVAL_S - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            if not self.stopping:
+            if self.sock is not None:  # no stop signal meanwhile
                 self._spawn(slot)
 
     def _retire(self, pid: int) -> None:
