@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy.control.coordination import Coordination
 from proxy.core.errors import ProxyError
-from proxy.core.settings import Settings
+from proxy.core.settings import LISTEN_BACKLOG, Settings
 from proxy.ingress.admin import reload_config
 from proxy.ingress.app import build_app
 from proxy.ingress.drain import DRAIN, Drain, graceful_stop
@@ -101,12 +101,12 @@ async def start(
     handshake_s = settings.limits.header_timeout_s if ctx is not None else None
     if sock is not None:
         server = await loop.create_server(
-            listener, sock=sock, ssl=ctx, ssl_handshake_timeout=handshake_s
+            listener, sock=sock, ssl=ctx, backlog=LISTEN_BACKLOG, ssl_handshake_timeout=handshake_s
         )
     else:
         host, port = settings.listen.host, settings.listen.port
         server = await loop.create_server(
-            listener, host, port, ssl=ctx, backlog=1024, ssl_handshake_timeout=handshake_s
+            listener, host, port, ssl=ctx, backlog=LISTEN_BACKLOG, ssl_handshake_timeout=handshake_s
         )
     port = server.sockets[0].getsockname()[1]
     running = Running(app, listener, [server], port, "https" if ctx is not None else "http")

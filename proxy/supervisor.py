@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from proxy.core.settings import Settings
+from proxy.core.settings import LISTEN_BACKLOG, Settings
 from proxy.telemetry import siblings
 
 log = logging.getLogger("ftproxy.supervisor")
@@ -78,7 +78,7 @@ class Supervisor:
         self.metrics_dir.mkdir()
         os.environ[siblings.ENV] = str(self.metrics_dir)  # read by each worker's app
         listen = self.settings.listen
-        self.sock = socket.create_server((listen.host, listen.port), backlog=1024)
+        self.sock = socket.create_server((listen.host, listen.port), backlog=LISTEN_BACKLOG)
         self.sock.set_inheritable(True)
         log.info(
             "ft-proxy listening on http://%s:%d with %d workers",

@@ -32,6 +32,11 @@ class ConfigError(Exception):
     """The configuration cannot be used; the message names file and field."""
 
 
+# Connections the kernel queues before the proxy accepts them, on one port or a
+# workers' shared socket alike: asyncio's default (100) drops a burst's SYNs.
+LISTEN_BACKLOG = 1024
+
+
 class Listen(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
