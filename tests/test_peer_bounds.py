@@ -300,3 +300,20 @@ async def test_answers_the_proxy_reads_itself_are_asked_for_uncompressed(proxy, 
             assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == ["m-a"]
     finally:
         await a.stop()
+
+
+def test_an_answer_over_its_bound_is_counted_each_time_and_logged_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rank that answers every poll too big would log a line a poll."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from proxy.upstream.bounded import Bound
+
+    refused = Counter("refused", "", ["peer"], registry=CollectorRegistry())
+    bound = Bound("status", 10, 1.0, refused)
+    with caplog.at_level("WARNING", logger="ftproxy.peers"):
+        for url in ("http://a/x", "http://a/x", "http://b/x"):
+            assert "over 10 bytes" in str(bound.refuse(url, "12 bytes"))
+    assert [r.getMessage().split()[3] for r in caplog.records] == ["http://a/x", "http://b/x"]
+    assert refused.labels("status")._value.get() == 3

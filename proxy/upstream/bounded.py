@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json as jsonlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,11 +41,10 @@ from proxy.core.errors import (
     StaleConnection,
     TooLarge,
 )
+from proxy.core.throttle import Throttle
 from proxy.upstream.client import RankClient, RankResponse
 
 log = logging.getLogger("ftproxy.peers")
-
-LOG_EVERY_S = 60.0
 
 # The proxy reads these answers itself, bounded as they are sent: it asks for
 # them uncompressed and never inflates one, so a bomb cannot inflate past its
@@ -84,17 +82,13 @@ class Bound:
     # its head, then each message from its first byte.
     within_s: float
     counter: Counter | None = None
-    _logged: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+    _logged: Throttle = field(default_factory=Throttle, compare=False, repr=False)
 
     def refuse(self, url: str, seen: str) -> TooLarge:
         """Count and log an answer over the bound; the error to raise."""
         if self.counter is not None:
             self.counter.labels(self.peer).inc()
-        now = time.monotonic()
-        if now - self._logged.get(url, -LOG_EVERY_S) >= LOG_EVERY_S:
-            if len(self._logged) > 256:
-                self._logged.clear()  # addresses come and go with reloads
-            self._logged[url] = now
+        if self._logged.due(url):
             log.warning(
                 "%s answer from %s over its bound of %d bytes (%s): refused, unread "
                 "(logged once a minute)",
