@@ -293,16 +293,15 @@ async def follow_weights(app: web.Application) -> None:
             elif not failing:
                 log.exception("weight overrides not read")
             failing = True
-            fresh, removed = dict(held), set(gone)
         else:
             if failing:
                 log.info("weight overrides read again")
             failing = False
-        if fresh is None:
-            return  # memory: PATCH applies in place, nothing to follow
-        held.clear()
-        held.update(fresh)
-        gone.update(removed or ())  # a rank that left never comes back
+            if fresh is None:
+                return  # memory: PATCH applies in place, nothing to follow
+            held.clear()
+            held.update(fresh)
+            gone.update(removed or ())  # a rank that left never comes back
         _apply_shared(app)
         await coord.wait_change("weights", seen)
 
