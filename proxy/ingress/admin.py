@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError
 
 from proxy.control import engines
 from proxy.control.coordination import COORD
-from proxy.control.ranks import Rank, RankTable
+from proxy.control.ranks import Rank
 from proxy.control.recovery import Outcome, RoundReport, RoundSpec, Trigger
 from proxy.core.bodies import parse_object
 from proxy.core.errors import AdminOff, BadRequest, NoLeader, NotFound, ProxyError, Unauthorized
@@ -237,8 +237,7 @@ def reload_config(app: web.Application) -> dict[str, Any]:
         # its name's index says.
         now = app[TABLE].ranks
         router.forget(name for name, rank in before.items() if now.get(name) is not rank)
-    apply_weights(app[TABLE], app[WEIGHTS])  # shared overrides outlive a reload
-    apply_removed(app[TABLE], app[REMOVED])
+    _apply_shared(app)  # shared overrides outlive a reload
     if tls_reloaded:
         diff["listener_tls"] = "reloaded"
     log.info("config reloaded from %s: %s", path, diff)
@@ -260,20 +259,15 @@ WEIGHTS = web.AppKey("weight_overrides", dict[str, int])
 REMOVED = web.AppKey("removed_ranks", set[str])
 
 
-def apply_weights(table: RankTable, overrides: dict[str, int]) -> None:
-    changed = False
-    for name, weight in overrides.items():
+def _apply_shared(app: web.Application) -> None:
+    """Every process's weight overrides and removed ranks, applied to this table."""
+    table, changed = app[TABLE], False
+    for name, weight in app[WEIGHTS].items():
         rank = table.ranks.get(name)
         if rank is not None and rank.weight != weight:
             log.info("rank %s: weight %d -> %d (shared override)", name, rank.weight, weight)
             rank.weight, changed = weight, True
-    if changed:
-        table.notify()
-
-
-def apply_removed(table: RankTable, names: set[str]) -> None:
-    changed = False
-    for name in names:
+    for name in app[REMOVED]:
         rank = table.ranks.get(name)
         if rank is not None and not rank.removed:
             log.info("rank %s: left group %s (shared scale_down)", name, rank.group)
@@ -299,18 +293,16 @@ async def follow_weights(app: web.Application) -> None:
             elif not failing:
                 log.exception("weight overrides not read")
             failing = True
-            fresh, removed = dict(held), set(gone)
         else:
             if failing:
                 log.info("weight overrides read again")
             failing = False
-        if fresh is None:
-            return  # memory: PATCH applies in place, nothing to follow
-        held.clear()
-        held.update(fresh)
-        gone.update(removed or ())  # a rank that left never comes back
-        apply_weights(app[TABLE], held)
-        apply_removed(app[TABLE], gone)
+            if fresh is None:
+                return  # memory: PATCH applies in place, nothing to follow
+            held.clear()
+            held.update(fresh)
+            gone.update(removed or ())  # a rank that left never comes back
+        _apply_shared(app)
         await coord.wait_change("weights", seen)
 
 

@@ -180,14 +180,10 @@ async def _learn_models(app: web.Application) -> None:
     await models.learn(app[UPSTREAM], app[TABLE], app[MODEL_LISTS])
 
 
-async def _poll(app: web.Application) -> None:
-    settings = app[SETTINGS]
-    await Poller(app[TABLE], app[UPSTREAM], settings.timeouts, app[METRICS], settings.limits).run()
-
-
-async def _scrape(app: web.Application) -> None:
-    settings = app[SETTINGS]
-    await Scraper(app[TABLE], app[UPSTREAM], settings.timeouts, app[METRICS], settings.limits).run()
+async def _per_rank(task: type[Poller | Scraper], app: web.Application) -> None:
+    """A task on every rank: its status polls, or its ``engine_healthy`` scrapes."""
+    s = app[SETTINGS]
+    await task(app[TABLE], app[UPSTREAM], s.timeouts, app[METRICS], s.limits).run()
 
 
 async def _liveness(app: web.Application) -> None:
@@ -241,11 +237,11 @@ def build_app(
     app.cleanup_ctx.append(_background("coordination", _coordinate))
     if app[METRICS].siblings is not None:
         app.cleanup_ctx.append(_background("metrics-siblings", _serve_metrics))
-    app.cleanup_ctx.append(_background("poller", _poll))
+    app.cleanup_ctx.append(_background("poller", partial(_per_rank, Poller)))
     app.cleanup_ctx.append(_background("models", _learn_models))
     app.cleanup_ctx.append(_background("push-feed", _push))
     # Idle while no group scrapes (a reload may add one).
-    app.cleanup_ctx.append(_background("engine-healthy", _scrape))
+    app.cleanup_ctx.append(_background("engine-healthy", partial(_per_rank, Scraper)))
     if settings.liveness.enabled:
         app.cleanup_ctx.append(_background("liveness", _liveness))
     app.cleanup_ctx.append(_background("auto-recovery", _auto_recovery))

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,7 +69,6 @@ class InFlight:
 class Drain:
     def __init__(self) -> None:
         self.draining = False
-        self.since: float | None = None
         self.hurry = asyncio.Event()  # a second signal: stop waiting
         self._in_flight: set[InFlight] = set()
         self._idle = asyncio.Event()
@@ -81,8 +79,7 @@ class Drain:
         return len(self._in_flight)
 
     def begin(self) -> None:
-        if not self.draining:
-            self.draining, self.since = True, time.monotonic()
+        self.draining = True
 
     # -- the request side -----------------------------------------------------
     def enter(self) -> InFlight:

@@ -295,10 +295,8 @@ class Book:
 
     def _aborted(self, ids: list[int]) -> Emit:
         """An abort chunk: the ids it carries still reach the client."""
-        emit = Emit(aborted=True)
-        if ids and self.wants_ids:
-            emit.data.append(self._client_chunk("", ids, None, None, {}))
-        return emit
+        data = [self._client_chunk("", ids, None, None, {})] if ids and self.wants_ids else []
+        return Emit(data, aborted=True)
 
     # -- continuation -----------------------------------------------------------
     def refusal_now(self) -> Refusal | None:
@@ -481,15 +479,13 @@ class Book:
             )
         if stop_hit is not None:
             finish = "stop"
-        emit = Emit()
         # Empty text still carries tokens (a UTF-8 character split across
         # tokens): send the chunk, as vLLM does.
-        if out or finish or ids:
-            emit.data.append(self._client_chunk(out, ids, finish, stop_hit, choice))
+        send = out or finish or ids
+        data = [self._client_chunk(out, ids, finish, stop_hit, choice)] if send else []
         if finish:
             self.finish_reason = finish
-            emit.finished = True
-        return emit
+        return Emit(data, finished=bool(finish))
 
     def _matched(self) -> list[str]:
         """The stop strings the proxy looks for in the continuation."""
