@@ -370,13 +370,6 @@ class RankResponse:
             self._waiter = None
 
     # -- for the relay ---------------------------------------------------------
-    async def _start(self) -> None:
-        """Until the status line and headers are in."""
-        while not self.status:
-            if self._exc is not None:
-                raise self._exc
-            await self._wait()
-
     def header_items(self) -> list[tuple[str, str]]:
         """The headers as sent, in order, without building a multidict. A
         value's byte that is not UTF-8 is read as U+FFFD, never passed on raw
@@ -548,11 +541,19 @@ class RankClient:
             conn = await self._connect(key)
         resp = RankResponse(conn)
         conn.send(_encode(method, url, host, headers, body), resp)
+        # Until the status line and headers are in, awaited here and not in
+        # a helper coroutine: each layer of awaits costs every request.
         try:
-            await resp._start()
+            while not resp.status:
+                if resp._exc is not None:
+                    raise resp._exc
+                waiter = resp._waiter = self.loop.create_future()
+                await waiter
         except BaseException:
             resp.close()
             raise
+        finally:
+            resp._waiter = None
         return resp
 
     def _take_idle(self, key: _Key) -> _Conn | None:
