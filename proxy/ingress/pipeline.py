@@ -110,7 +110,13 @@ class Pipeline:
         # an error is being answered is ended as a cut too.
         try:
             try:
-                await self._admitted(req, found)
+                route, limited = self._admit(req, found)
+                try:
+                    if (resp := await route.handler(req)) is not None:
+                        await answer(req, resp)
+                finally:
+                    if limited:
+                        self.limit.release()
             except ProxyError as err:
                 await self._refused(req, err)
             except ConnectionResetError:
@@ -143,8 +149,11 @@ class Pipeline:
             req.reply.end_connection()
         await _answer_or_cut(req, error_answer(err))
 
-    async def _admitted(self, req: Request, found: _Found) -> None:
-        """Target, request limit, admin token, route, handler."""
+    def _admit(self, req: Request, found: _Found) -> tuple[Route, bool]:
+        """Target, request limit, admin token, route: the route to run, and
+        whether the request is counted in the limit (released after its
+        handler). Not a coroutine: the handler is awaited in _drained, one
+        layer of awaits less for every request."""
         check_target(req.target)  # before any handler or auth check runs
         limited = req.path not in EXEMPT  # probes answer however busy the proxy is
         if limited:
@@ -154,13 +163,13 @@ class Pipeline:
                 check_admin_token(self.app[SETTINGS].admin.token, req.headers)
             if isinstance(found, ProxyError):
                 raise found
-            route, req.params = found
-            req.route = route.path
-            if (resp := await route.handler(req)) is not None:
-                await answer(req, resp)
-        finally:
+        except BaseException:
             if limited:
                 self.limit.release()
+            raise
+        route, req.params = found
+        req.route = route.path
+        return route, limited
 
 
 PIPELINE = web.AppKey("pipeline", Pipeline)
