@@ -539,7 +539,10 @@ class Connection(asyncio.Protocol):
             await self.listener.pipeline.serve(req)
             # The next request waits while the client is not reading this
             # answer: one that pipelines and reads nothing piles up nothing.
-            await self.drain()
+            # (Most often it reads: no coroutine then. A client gone is
+            # found in _answered all the same.)
+            if not self._writable.is_set():
+                await self.drain()
         except (asyncio.CancelledError, ConnectionError):
             reply.keep_alive = False  # the client left; the access log says so
         except Exception:
