@@ -192,7 +192,8 @@ class Relay:
         tried: set[str] = set()
         failures: list[str] = []
         refusals = 0
-        queue = Queue(self.settings.timeouts.queue_s if queue_s is None else queue_s)
+        # Made when a pick has to wait (few requests do), kept for every later try.
+        queue: Queue | None = None
         tries = 1 + self.settings.limits.upstream_retries
         while tries > 0:
             if not out.may_send():
@@ -201,6 +202,8 @@ class Relay:
             # A rank at hand (the common case) takes no coroutine: _pick only waits.
             rank = self._choose(self.table.serving(out.model), frozen := frozenset(tried), out)
             if rank is None:
+                if queue is None:
+                    queue = Queue(self.settings.timeouts.queue_s if queue_s is None else queue_s)
                 rank = await self._pick(frozen, queue, out, failures, refusals)
             if rank is None:
                 break
