@@ -37,6 +37,8 @@ from proxy.telemetry.tracing import error_status
 log = logging.getLogger("ftproxy.app")
 
 _Found = tuple[Route, dict[str, str]] | ProxyError
+# Pipeline._normal's bounds: 1024 targets of at most 256 characters.
+_NORMAL_MAX, _NORMAL_LEN = 1024, 256
 
 
 class Pipeline:
@@ -47,6 +49,10 @@ class Pipeline:
         self.tracing = app[TRACING]
         # Without tracing no span step at all: one coroutine less per request.
         self._step = self._drained if self.tracing is None else self._traced
+        # Request targets found in normal form: most requests repeat a few,
+        # and the check costs ~1 us. Bounded in number and length (a client
+        # may send any targets; past the bound they are checked every time).
+        self._normal: set[str] = set()
 
     async def serve(self, req: Request) -> None:
         """Answer ``req``; raises only if its client left (or its task is cancelled)."""
@@ -154,7 +160,11 @@ class Pipeline:
         whether the request is counted in the limit (released after its
         handler). Not a coroutine: the handler is awaited in _drained, one
         layer of awaits less for every request."""
-        check_target(req.target)  # before any handler or auth check runs
+        target = req.target
+        if target not in self._normal:  # before any handler or auth check runs
+            check_target(target)
+            if len(target) <= _NORMAL_LEN and len(self._normal) < _NORMAL_MAX:
+                self._normal.add(target)
         limited = req.path not in EXEMPT  # probes answer however busy the proxy is
         if limited:
             self.limit.admit()
