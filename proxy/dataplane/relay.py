@@ -469,7 +469,8 @@ class Relay:
         limit = self.settings.limits.max_upstream_body_bytes
         try:
             if up.complete:  # all in already (the common case): nothing to time
-                return await up.read(limit)
+                whole = up.whole_body(limit)  # no coroutine, unless it failed
+                return whole if whole is not None else await up.read(limit)
             # read_s bounds each silence; this, the whole: vLLM sends a whole
             # answer at once, so a body still coming after read_s is a drip.
             return await _read_within(up, limit, self.settings.timeouts.read_s)

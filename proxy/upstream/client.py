@@ -445,13 +445,10 @@ class RankResponse:
         """The whole body. Over ``limit`` bytes (as announced, or as read so
         far): :class:`BodyTooLarge`, and the connection closes (the rest is
         never read)."""
+        if (whole := self.whole_body(limit)) is not None:  # all in already: no iterator
+            return whole
         if limit is not None and self.content_length > limit:
             self._too_large(limit)
-        if self.complete and self._exc is None:  # all in already: no iterator
-            data = self._take_buffered() if self._buf else b""
-            if limit is not None and len(data) > limit:
-                self._too_large(limit)
-            return data
         parts: list[bytes] = []
         size = 0
         async for chunk in self.chunks():
@@ -460,6 +457,18 @@ class RankResponse:
                 self._too_large(limit)
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def whole_body(self, limit: int | None = None) -> bytes | None:
+        """The body of an answer all in and without error, as :meth:`read`
+        gives it, but no coroutine; None for any other (:meth:`read` it)."""
+        if not self.complete or self._exc is not None:
+            return None
+        if limit is not None and self.content_length > limit:
+            self._too_large(limit)
+        data = self._take_buffered() if self._buf else b""
+        if limit is not None and len(data) > limit:
+            self._too_large(limit)
+        return data
 
     def _too_large(self, limit: int) -> NoReturn:
         self._buf.clear()
