@@ -13,6 +13,7 @@ from proxy.core.errors import InvalidTarget
 from proxy.core.forward import parse_forward
 from proxy.core.settings import Settings
 from proxy.core.target import check_target, upstream_url
+from proxy.ingress.pipeline import _NORMAL_LEN, _NORMAL_MAX, PIPELINE
 from tests.conftest import settings_for
 
 # Each would reach /fault_tolerance/*, /health or another path by normalization.
@@ -151,3 +152,21 @@ async def test_forward_list_is_configurable(fakes, proxy, http) -> None:
     async with http.post(p.url + "/tokenize", json={"prompt": "x"}) as r:
         assert r.status == 404
     assert a.forwarded() == []
+
+
+async def test_targets_found_normal_are_remembered_within_bounds(fakes, proxy) -> None:
+    # The pipeline does not check a target it found in normal form again;
+    # what it keeps stays within its bounds, and past them every target is
+    # still checked.
+    p = await proxy(settings_for([await fakes(name="a")]))
+    normal: set[str] = p.app[PIPELINE]._normal
+    long = "/health?" + "x" * _NORMAL_LEN
+    for target in ("/health", long):
+        assert (await _raw(p.port, target, method="GET"))[0] == 200
+    assert "/health" in normal
+    assert long not in normal
+    normal.update(f"/filler/{i}" for i in range(_NORMAL_MAX - len(normal)))
+    assert (await _raw(p.port, "/health?past=bound", method="GET"))[0] == 200
+    assert "/health?past=bound" not in normal
+    assert len(normal) == _NORMAL_MAX
+    assert (await _raw(p.port, "/v1/../health", method="GET"))[0] == 400

@@ -192,13 +192,19 @@ class Relay:
         tried: set[str] = set()
         failures: list[str] = []
         refusals = 0
-        queue = Queue(self.settings.timeouts.queue_s if queue_s is None else queue_s)
+        # Made when a pick has to wait (few requests do), kept for every later try.
+        queue: Queue | None = None
         tries = 1 + self.settings.limits.upstream_retries
         while tries > 0:
             if not out.may_send():
                 failures.append("no upstream request left in this request's budget")
                 break
-            rank = await self._pick(frozenset(tried), queue, out, failures, refusals)
+            # A rank at hand (the common case) takes no coroutine: _pick only waits.
+            rank = self._choose(self.table.serving(out.model), frozen := frozenset(tried), out)
+            if rank is None:
+                if queue is None:
+                    queue = Queue(self.settings.timeouts.queue_s if queue_s is None else queue_s)
+                rank = await self._pick(frozen, queue, out, failures, refusals)
             if rank is None:
                 break
             tried.add(rank.name)
@@ -224,50 +230,58 @@ class Relay:
         raise UpstreamFailed("no rank could take the request: " + _said(failures))
 
     async def _try(self, rank: Rank, out: Outbound, failures: list[str]) -> Attempt | None:
+        """Send ``out`` to ``rank``: its answer's head, or None (a failure,
+        said in ``failures``). One coroutine, not one for the ticket and one
+        for the send: each layer of awaits costs every request."""
         ticket = self.liveness.sent(rank.name, len(out.body), out.stream)
         attempt = None
         try:
-            attempt = await self._send(rank, out, failures, ticket)
+            started = time.monotonic()
+            url = upstream_url(rank.url, out.path)
+            try:
+                try:
+                    out.sent += 1
+                    resp = await self.client.request(out.method, url, out.headers, out.body)
+                except StaleConnection:
+                    if not out.may_send():
+                        raise
+                    # A pooled connection the rank had closed (its keep-alive ran
+                    # out as we reused it) is not a rank failure: send once more on
+                    # a new connection, and judge the rank by that.
+                    log.info(
+                        "[%s] rank %s closed a pooled connection; resending on a new one",
+                        out.request_id,
+                        rank.name,
+                    )
+                    out.sent += 1
+                    resp = await self.client.request(
+                        out.method, url, out.headers, out.body, fresh=True
+                    )
+            except RankError as e:
+                self._failed(rank, out, failures, e)
+                return None
+            if self._redirected(rank, out, resp, failures):
+                return None
+            self.metrics.child(self.metrics.ttfb, rank.name).observe(time.monotonic() - started)
+            attempt = Attempt(rank, resp, started, ticket)
         finally:
             ticket.answered(attempt.response if attempt is not None else None)
         return attempt
 
-    async def _send(
-        self, rank: Rank, out: Outbound, failures: list[str], ticket: Ticket
-    ) -> Attempt | None:
-        started = time.monotonic()
-        url = upstream_url(rank.url, out.path)
-        try:
-            try:
-                out.sent += 1
-                resp = await self.client.request(out.method, url, out.headers, out.body)
-            except StaleConnection:
-                if not out.may_send():
-                    raise
-                # A pooled connection the rank had closed (its keep-alive ran
-                # out as we reused it) is not a rank failure: send once more on
-                # a new connection, and judge the rank by that.
-                log.info(
-                    "[%s] rank %s closed a pooled connection; resending on a new one",
-                    out.request_id,
-                    rank.name,
-                )
-                out.sent += 1
-                resp = await self.client.request(out.method, url, out.headers, out.body, fresh=True)
-        except PoolFull as e:
+    def _failed(self, rank: Rank, out: Outbound, failures: list[str], e: RankError) -> None:
+        """No answer from ``rank``: counted, logged, and said in ``failures``."""
+        if isinstance(e, PoolFull):
             # Busy, not down: try another, and leave it routable.
             failures.append(f"{rank.name}: {e}")
             self.metrics.upstream_errors.labels(rank.name, "pool_full").inc()
             log.warning("[%s] rank %s: %s", out.request_id, rank.name, e)
-            return None
-        except BadResponse as e:
+        elif isinstance(e, BadResponse):
             # A malformed answer (status line or code, headers): the rank is up
             # but answered nonsense. Like a 5xx: try another, without marking it down.
             failures.append(f"{rank.name}: {type(e).__name__}")
             self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
             log.warning("[%s] rank %s sent a malformed answer: %r", out.request_id, rank.name, e)
-            return None
-        except RankError as e:  # no connection, or lost before the head: this rank did not take it
+        else:  # no connection, or lost before the head: this rank did not take it
             failures.append(f"{rank.name}: {type(e).__name__}")
             self.metrics.upstream_errors.labels(rank.name, "connect").inc()
             # Passive signal: stop routing here until a poll or push says otherwise.
@@ -275,23 +289,25 @@ class Relay:
                 rank.name, None, Source.RELAY, reachable=False, reason=f"request failed: {e}"
             )
             log.warning("[%s] rank %s failed before first byte: %r", out.request_id, rank.name, e)
-            return None
-        if 300 <= resp.status < 400 and resp.status != 304:
-            # vLLM redirects no path the proxy forwards; passed on, the
-            # Location would send the client to the rank itself, past the
-            # proxy. An answer that is no answer: like a malformed one.
-            resp.close()
-            failures.append(f"{rank.name}: redirect {resp.status}")
-            self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
-            log.warning(
-                "[%s] rank %s answered a redirect (%d), which the proxy does not follow",
-                out.request_id,
-                rank.name,
-                resp.status,
-            )
-            return None
-        self.metrics.child(self.metrics.ttfb, rank.name).observe(time.monotonic() - started)
-        return Attempt(rank, resp, started, ticket)
+
+    def _redirected(
+        self, rank: Rank, out: Outbound, resp: RankResponse, failures: list[str]
+    ) -> bool:
+        """vLLM redirects no path the proxy forwards; passed on, the Location
+        would send the client to the rank itself, past the proxy. An answer
+        that is no answer: like a malformed one (closed, said in ``failures``)."""
+        if not (300 <= resp.status < 400 and resp.status != 304):
+            return False
+        resp.close()
+        failures.append(f"{rank.name}: redirect {resp.status}")
+        self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
+        log.warning(
+            "[%s] rank %s answered a redirect (%d), which the proxy does not follow",
+            out.request_id,
+            rank.name,
+            resp.status,
+        )
+        return True
 
     def _refused(self, attempt: Attempt, failures: list[str]) -> bool:
         """A 503 from an engine that answers so while faulted (vLLM v1's
@@ -360,10 +376,9 @@ class Relay:
         failures: list[str],
         refusals: int = 0,
     ) -> Rank | None:
+        """A rank for ``out`` when none was at hand: after a wait for one,
+        unless no fault may end."""
         model = out.model
-        rank = self._choose(self.table.serving(model), tried, out)
-        if rank is not None:
-            return rank
         if tried and not self._fault_may_end(tried, model):
             return None
         # A retry during a fault waits as a new request does: a peer in the
@@ -454,7 +469,8 @@ class Relay:
         limit = self.settings.limits.max_upstream_body_bytes
         try:
             if up.complete:  # all in already (the common case): nothing to time
-                return await up.read(limit)
+                whole = up.whole_body(limit)  # no coroutine, unless it failed
+                return whole if whole is not None else await up.read(limit)
             # read_s bounds each silence; this, the whole: vLLM sends a whole
             # answer at once, so a body still coming after read_s is a drip.
             return await _read_within(up, limit, self.settings.timeouts.read_s)

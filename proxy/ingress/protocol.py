@@ -452,7 +452,8 @@ class Connection(asyncio.Protocol):
             self._disarm_header_timer()
         if msg.url == b"*":  # no resource of the proxy's is the server as a whole
             raise ValueError("the asterisk-form request target is not served")
-        headers = self._headers(msg)
+        version = self.parser.get_http_version()
+        headers = self._headers(msg, version)
         length = headers.get("Content-Length")
         encoding = headers.get("Content-Encoding", "").strip().lower()
         if encoding in ("br", "zstd"):  # codings a client may expect decoded: not at all here
@@ -461,7 +462,7 @@ class Connection(asyncio.Protocol):
         method = self.parser.get_method()
         if self.parser.should_upgrade() or method == b"CONNECT":
             msg.last = msg.upgrade = True
-        http10 = self.parser.get_http_version() == "1.0"
+        http10 = version == "1.0"
         expect = headers.get("Expect", "").lower() == "100-continue"
         msg.body.expect = expect and not http10
         keep_alive = self.parser.should_keep_alive()
@@ -472,8 +473,8 @@ class Connection(asyncio.Protocol):
         if self.answering is None:
             self._start_next()
 
-    def _headers(self, msg: _Message) -> CIMultiDict[str]:
-        if self.parser.get_http_version() == "1.1" and b"host" not in msg.singletons:
+    def _headers(self, msg: _Message, version: str) -> CIMultiDict[str]:
+        if version == "1.1" and b"host" not in msg.singletons:
             raise ValueError("an HTTP/1.1 request needs a Host header")
         # llhttp drops the whitespace before a value, the proxy the whitespace after it.
         return CIMultiDict(
@@ -539,7 +540,10 @@ class Connection(asyncio.Protocol):
             await self.listener.pipeline.serve(req)
             # The next request waits while the client is not reading this
             # answer: one that pipelines and reads nothing piles up nothing.
-            await self.drain()
+            # (Most often it reads: no coroutine then. A client gone is
+            # found in _answered all the same.)
+            if not self._writable.is_set():
+                await self.drain()
         except (asyncio.CancelledError, ConnectionError):
             reply.keep_alive = False  # the client left; the access log says so
         except Exception:

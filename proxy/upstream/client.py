@@ -370,13 +370,6 @@ class RankResponse:
             self._waiter = None
 
     # -- for the relay ---------------------------------------------------------
-    async def _start(self) -> None:
-        """Until the status line and headers are in."""
-        while not self.status:
-            if self._exc is not None:
-                raise self._exc
-            await self._wait()
-
     def header_items(self) -> list[tuple[str, str]]:
         """The headers as sent, in order, without building a multidict. A
         value's byte that is not UTF-8 is read as U+FFFD, never passed on raw
@@ -452,13 +445,10 @@ class RankResponse:
         """The whole body. Over ``limit`` bytes (as announced, or as read so
         far): :class:`BodyTooLarge`, and the connection closes (the rest is
         never read)."""
+        if (whole := self.whole_body(limit)) is not None:  # all in already: no iterator
+            return whole
         if limit is not None and self.content_length > limit:
             self._too_large(limit)
-        if self.complete and self._exc is None:  # all in already: no iterator
-            data = self._take_buffered() if self._buf else b""
-            if limit is not None and len(data) > limit:
-                self._too_large(limit)
-            return data
         parts: list[bytes] = []
         size = 0
         async for chunk in self.chunks():
@@ -467,6 +457,18 @@ class RankResponse:
                 self._too_large(limit)
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def whole_body(self, limit: int | None = None) -> bytes | None:
+        """The body of an answer all in and without error, as :meth:`read`
+        gives it, but no coroutine; None for any other (:meth:`read` it)."""
+        if not self.complete or self._exc is not None:
+            return None
+        if limit is not None and self.content_length > limit:
+            self._too_large(limit)
+        data = self._take_buffered() if self._buf else b""
+        if limit is not None and len(data) > limit:
+            self._too_large(limit)
+        return data
 
     def _too_large(self, limit: int) -> NoReturn:
         self._buf.clear()
@@ -548,11 +550,19 @@ class RankClient:
             conn = await self._connect(key)
         resp = RankResponse(conn)
         conn.send(_encode(method, url, host, headers, body), resp)
+        # Until the status line and headers are in, awaited here and not in
+        # a helper coroutine: each layer of awaits costs every request.
         try:
-            await resp._start()
+            while not resp.status:
+                if resp._exc is not None:
+                    raise resp._exc
+                waiter = resp._waiter = self.loop.create_future()
+                await waiter
         except BaseException:
             resp.close()
             raise
+        finally:
+            resp._waiter = None
         return resp
 
     def _take_idle(self, key: _Key) -> _Conn | None:
