@@ -71,6 +71,8 @@ has_end(const char *p, Py_ssize_t n)
 static int
 out_put(Out *o, const char *d, Py_ssize_t n)
 {
+    if (n == 0)
+        return 0; /* memcpy into a buffer not yet allocated (NULL) is undefined, even of nothing */
     if (o->len + n > o->cap) {
         Py_ssize_t cap = o->cap ? o->cap : 256;
         while (cap < o->len + n)
