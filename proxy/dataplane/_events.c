@@ -240,7 +240,8 @@ split(Parser *self, PyObject *chunk)
     /* An event's end split across two reads: in the kept tail and this head. */
     char probe[6];
     Py_ssize_t t = self->pending.len < 3 ? self->pending.len : 3, h = n < 3 ? n : 3;
-    memcpy(probe, self->pending.p + self->pending.len - t, (size_t)t);
+    if (t > 0) /* parts kept may all be empty: no buffer yet (NULL) */
+        memcpy(probe, self->pending.p + self->pending.len - t, (size_t)t);
     memcpy(probe + t, c, (size_t)h);
     if (!has_end(probe, t + h) && !has_end(c, n)) {
         if (keep(self, c, n) < 0)
