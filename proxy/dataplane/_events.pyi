@@ -1,5 +1,6 @@
 # The compiled twin of proxy.dataplane.sse.SSEParser (proxy/dataplane/_events.c),
-# and of proxy.dataplane.generation.parses_to_object.
+# of proxy.dataplane.generation.parses_to_object, and of
+# proxy.dataplane.continuation.book.hide_ids_reference.
 from proxy.dataplane.sse import Relayed
 
 class Parser:
@@ -9,3 +10,4 @@ class Parser:
 
 def bind(error: type[Exception], max_event: int, /) -> None: ...
 def is_object(raw: bytes, /) -> bool: ...
+def hide_ids(data: bytes, /) -> bytes: ...

@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -51,7 +52,7 @@ from proxy.dataplane.continuation.fields import (
     prompt_count,
 )
 from proxy.dataplane.continuation.splice import Decode, SpliceFailed, find_boundary
-from proxy.dataplane.sse import common_chunk, take_ids
+from proxy.dataplane.sse import IMPLEMENTATION, common_chunk, take_ids
 
 log = logging.getLogger("ftproxy.continuation")
 
@@ -706,7 +707,18 @@ _PROMPT_IDS = re.compile(rb'"prompt_token_ids":\s*\[[^\]]*\]')
 ABORT = re.compile(rb'"finish_reason":\s*"abort"')
 
 
-def hide_ids(data: bytes) -> bytes:
+def hide_ids_reference(data: bytes) -> bytes:
     """Null the token-id fields of a whole answer, as vLLM sends them unasked."""
     data = _IDS.sub(b'"token_ids":null', data)
     return _PROMPT_IDS.sub(b'"prompt_token_ids":null', data)
+
+
+# Run on every whole answer and every parsed stream chunk the client did not
+# ask ids for: compiled where the compiled event path is in use, the same
+# bytes out (tests/test_hide_ids.py compares the two) in one C call instead
+# of two regex substitutions.
+hide_ids: Callable[[bytes], bytes] = hide_ids_reference
+if IMPLEMENTATION == "compiled":
+    from proxy.dataplane import _events
+
+    hide_ids = _events.hide_ids

@@ -82,10 +82,11 @@ class Pump:
         is not reading, or the end of the body (None)."""
         outcome: PumpEnd | None = None
         drain = False
+        original = handle == self.book.on_original  # once, not per read
 
         def on_chunk(chunk: bytes) -> bool:
             nonlocal outcome, drain
-            out, outcome = self._events(parser, chunk, handle)
+            out, outcome = self._events(parser, chunk, handle, original)
             if out and not self._write_now(b"".join(out)):
                 drain = True
             return outcome is None and not drain
@@ -110,8 +111,9 @@ class Pump:
         self, attempt: Attempt, parser: EventParser, handle: Handle
     ) -> PumpEnd | None:
         """As :meth:`_pump_direct`, for a sink that must be awaited."""
+        original = handle == self.book.on_original
         async for chunk in attempt.response.chunks():
-            out, outcome = self._events(parser, chunk, handle)
+            out, outcome = self._events(parser, chunk, handle, original)
             if out:
                 await self.write(b"".join(out))
             if outcome is not None:
@@ -119,15 +121,18 @@ class Pump:
         return None
 
     def _events(
-        self, parser: EventParser, chunk: bytes, handle: Handle
+        self, parser: EventParser, chunk: bytes, handle: Handle, original: bool
     ) -> tuple[list[bytes], PumpEnd | None]:
         """One upstream read: the client's bytes for it (one write however
-        many events it held) and the outcome, if it ends this upstream."""
+        many events it held) and the outcome, if it ends this upstream.
+        ``original``: ``handle`` is the book's ``on_original`` (compared once
+        per upstream: a bound method made and compared per read costs more
+        than the read's bookkeeping)."""
         out: list[bytes] = []
         outcome = None
         book = self.book
         try:
-            if handle == book.on_original and book.bytes_ok():
+            if original and book.bytes_ok():
                 # The read's common chunks taken in one call (compiled where
                 # built); the events after the first other one: below, in order.
                 head, ids, records, suspects, events = parser.relay(
@@ -143,7 +148,7 @@ class Pump:
         if events or out:  # bytes that never make an event (a drip) are a stall, not progress
             self.flow.heard()
         for data in events:
-            outcome = self._on_event(data, handle, out)
+            outcome = self._on_event(data, handle, original, out)
             if outcome is not None:
                 break
         # A held stream resumes when the upstream sends on; vLLM's
@@ -152,11 +157,13 @@ class Pump:
             self.hold.resumed()
         return out, outcome
 
-    def _on_event(self, data: bytes, handle: Handle, out: list[bytes]) -> PumpEnd | None:
+    def _on_event(
+        self, data: bytes, handle: Handle, original: bool, out: list[bytes]
+    ) -> PumpEnd | None:
         """Turn one upstream event into client events (appended to ``out``)."""
         if data == DONE:
             return PumpEnd.FINISHED if self.book.finish_reason else PumpEnd.INCOMPLETE
-        fast = self.book.on_original_bytes(data) if handle == self.book.on_original else None
+        fast = self.book.on_original_bytes(data) if original else None
         if fast is not None:
             for d in fast.data:
                 out.append(b"data: " + d + b"\n\n")  # event(d), inlined: per event
@@ -191,7 +198,8 @@ class Pump:
 
     def _write_now(self, data: bytes) -> bool:
         """As :meth:`write`, from a data callback; False: drain the sink first."""
-        self._first_byte(data)
+        if self.first_pending:  # tested here: this runs per read
+            self._first_byte(data)
         try:
             return self.sink.write_now(data)
         except ConnectionError as e:
