@@ -6,12 +6,17 @@ controls every byte the proxy reads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
 
+import aiohttp
 import pytest
 
 from proxy.server import Running
-from tests.conftest import settings_for
-from tests.fakes import FakeRank
+from tests.conftest import read_request, settings_for
+from tests.fakes import FakeRank, detok, next_token, tokenize
 
 _BODY = b'{"model": "fake-model", "prompt": "ab", "max_tokens": 2}'
 # Over the bound of a head (128 fields of 8190 bytes and a line, ~1 MiB).
@@ -52,6 +57,124 @@ async def test_a_request_trailer_field_that_never_ends_is_refused_at_a_heads_bou
         pass  # refused and closed as the bytes came: what this test wants
     answer = await _answer_within(reader, 2.0)
     writer.close()
+    await writer.wait_closed()
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
     assert b'"error"' in answer
     assert rank.received == []  # a request whose body never ended reached no rank
+
+
+# -- a rank whose framing lies ------------------------------------------------------
+_STATUS = b'{"engines": [{"id": 0, "status": "healthy"}]}'
+_SSE = b"text/event-stream"
+_MODELS = b'{"object": "list", "data": [{"id": "fake-model", "object": "model"}]}'
+
+
+def _events(prompt: str | list[int], n: int) -> list[bytes]:
+    """The fake model's stream for ``prompt`` (tests.fakes' tokens), ``[DONE]`` last."""
+    ids = list(prompt) if isinstance(prompt, list) else tokenize(prompt)
+    ctx, out = list(ids), []
+    for i in range(n):
+        ctx.append(next_token(ctx))
+        last = "length" if i == n - 1 else None
+        choice: dict[str, Any] = {"index": 0, "text": detok(ctx[-1:]), "token_ids": ctx[-1:]}
+        choice |= {"finish_reason": last, "stop_reason": None}
+        if i == 0:
+            choice["prompt_token_ids"] = ids
+        chunk = {"id": "cmpl-x", "object": "text_completion", "created": 0, "choices": [choice]}
+        out.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    return [*out, b"data: [DONE]\n\n"]
+
+
+def _answer(ctype: bytes, body: bytes, chunked: bool = False) -> bytes:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: " + ctype + b"\r\n"
+    if not chunked:
+        return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    return head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+
+
+def _side(path: bytes, body: dict[str, Any]) -> bytes:
+    """The answer to a request the proxy makes for itself (status, models, /detokenize)."""
+    if path == b"/detokenize":
+        return json.dumps({"prompt": detok(body.get("tokens", []))}).encode()
+    return {b"/fault_tolerance/status": _STATUS, b"/v1/models": _MODELS}.get(path, b"{}")
+
+
+@contextlib.contextmanager
+def _closing(writer: asyncio.StreamWriter) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        writer.close()
+
+
+class _LyingRank:
+    """A rank whose first stream's Content-Length ends it after three events,
+    with no finish reason and no ``[DONE]``: the rest of that answer (another
+    stream's tokens here) is what it sends next on that connection, whatever
+    is asked there. Every other connection is answered well."""
+
+    def __init__(self) -> None:
+        self.lied = False
+        self.asked_after_the_lie = 0  # requests sent on the connection that lied
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lying = False
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError), _closing(writer):
+            while True:
+                raw = await read_request(reader)
+                path = raw.split(b" ", 2)[1]
+                body = json.loads(raw.partition(b"\r\n\r\n")[2] or b"{}")
+                if lying:
+                    self.asked_after_the_lie += 1
+                    writer.write(_answer(_SSE, b"".join(_events([7, 7, 7], 8)), chunked=True))
+                elif path == b"/v1/completions" and body.get("stream") and not self.lied:
+                    self.lied = lying = True
+                    writer.write(
+                        _answer(_SSE, b"".join(_events(body["prompt"], body["max_tokens"])[:3]))
+                    )
+                elif path == b"/v1/completions":
+                    writer.write(
+                        _answer(
+                            _SSE,
+                            b"".join(_events(body["prompt"], body["max_tokens"])),
+                            chunked=True,
+                        )
+                    )
+                else:
+                    writer.write(_answer(b"application/json", _side(path.split(b"?")[0], body)))
+                await writer.drain()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="proxy/dataplane/hold/pump.py Pump.pump: a stream whose body ended without its "
+    "[DONE] is held and continued as lost, but its connection goes back to the pool "
+    "(RankResponse.close pools a complete answer): the rest of the rank's answer is read "
+    "as the next request's on it (here the continuation's /detokenize)",
+)
+async def test_a_stream_whose_length_lies_is_continued_on_a_connection_of_its_own(proxy) -> None:
+    rank = _LyingRank()
+    server = await asyncio.start_server(rank.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    entry = FakeRank(name="r0")
+    entry.url = f"http://127.0.0.1:{port}"
+    try:
+        p: Running = await proxy(settings_for([entry], hold={"keepalive_s": 0.05}))
+        req = {"model": "fake-model", "prompt": "hello", "max_tokens": 8, "stream": True}
+        req |= {"temperature": 0, "return_token_ids": True}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(p.url + "/v1/completions", json=req) as r,
+        ):
+            raw = await r.read()
+        ids: list[int] = []
+        for line in raw.split(b"\n"):
+            if line.startswith(b"data: {"):
+                for choice in json.loads(line[6:]).get("choices", []):
+                    ids += choice.get("token_ids") or []
+        want = [json.loads(e[6:])["choices"][0]["token_ids"][0] for e in _events("hello", 8)[:-1]]
+        assert rank.lied
+        assert ids == want, raw[-400:]
+        assert rank.asked_after_the_lie == 0
+    finally:
+        server.close()
