@@ -107,42 +107,71 @@ def _closing(writer: asyncio.StreamWriter) -> Iterator[None]:
         writer.close()
 
 
-class _LyingRank:
-    """A rank whose first stream's Content-Length ends it after three events,
-    with no finish reason and no ``[DONE]``: the rest of that answer (another
-    stream's tokens here) is what it sends next on that connection, whatever
-    is asked there. Every other connection is answered well."""
+def _whole(prompt: str | list[int], n: int) -> bytes:
+    """The fake model's whole answer for ``prompt``, made of its stream's chunks."""
+    choices = [json.loads(e[6:])["choices"][0] for e in _events(prompt, n)[:-1]]
+    text, ids = "".join(c["text"] for c in choices), [c["token_ids"][0] for c in choices]
+    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": "length"}
+    return json.dumps({"id": "cmpl-x", "object": "text_completion", "choices": [choice]}).encode()
 
-    def __init__(self) -> None:
+
+class _LyingRank:
+    """A rank whose first completion (streamed or whole, as ``stream`` says)
+    has a Content-Length that ends it early: a stream after three events, with
+    no finish reason and no ``[DONE]``; a whole answer halfway through its
+    JSON. The rest of that answer (another prompt's answer here) is what it
+    sends next on that connection, whatever is asked there. Every other
+    connection is answered well."""
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
         self.lied = False
         self.asked_after_the_lie = 0  # requests sent on the connection that lied
+
+    def _generation(self, body: dict[str, Any]) -> bytes:
+        stream, n = bool(body.get("stream")), body["max_tokens"]
+        if stream:
+            events = _events(body["prompt"], n)
+            if stream is not self.stream or self.lied:
+                return _answer(_SSE, b"".join(events), chunked=True)
+            self.lied = True
+            return _answer(_SSE, b"".join(events[:3]))
+        whole = _whole(body["prompt"], n)
+        if stream is not self.stream or self.lied:
+            return _answer(b"application/json", whole)
+        self.lied = True
+        return _answer(b"application/json", whole[: len(whole) // 2])
+
+    def _rest_of_the_lie(self) -> bytes:
+        if self.stream:
+            return _answer(_SSE, b"".join(_events([7, 7, 7], 8)), chunked=True)
+        return _answer(b"application/json", _whole([7, 7, 7], 8))
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         lying = False
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError), _closing(writer):
             while True:
                 raw = await read_request(reader)
-                path = raw.split(b" ", 2)[1]
+                path = raw.split(b" ", 2)[1].split(b"?")[0]
                 body = json.loads(raw.partition(b"\r\n\r\n")[2] or b"{}")
                 if lying:
                     self.asked_after_the_lie += 1
-                    writer.write(_answer(_SSE, b"".join(_events([7, 7, 7], 8)), chunked=True))
-                elif path == b"/v1/completions" and body.get("stream") and not self.lied:
-                    self.lied = lying = True
-                    writer.write(
-                        _answer(_SSE, b"".join(_events(body["prompt"], body["max_tokens"])[:3]))
-                    )
+                    writer.write(self._rest_of_the_lie())
                 elif path == b"/v1/completions":
-                    writer.write(
-                        _answer(
-                            _SSE,
-                            b"".join(_events(body["prompt"], body["max_tokens"])),
-                            chunked=True,
-                        )
-                    )
+                    lied = self.lied
+                    writer.write(self._generation(body))
+                    lying = self.lied and not lied
                 else:
-                    writer.write(_answer(b"application/json", _side(path.split(b"?")[0], body)))
+                    writer.write(_answer(b"application/json", _side(path, body)))
                 await writer.drain()
+
+
+async def _lying(proxy: Any, stream: bool) -> tuple[_LyingRank, Running, asyncio.Server]:
+    rank = _LyingRank(stream)
+    server = await asyncio.start_server(rank.serve, "127.0.0.1", 0)
+    entry = FakeRank(name="r0")
+    entry.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    return rank, await proxy(settings_for([entry], hold={"keepalive_s": 0.05})), server
 
 
 @pytest.mark.xfail(
@@ -153,13 +182,8 @@ class _LyingRank:
     "as the next request's on it (here the continuation's /detokenize)",
 )
 async def test_a_stream_whose_length_lies_is_continued_on_a_connection_of_its_own(proxy) -> None:
-    rank = _LyingRank()
-    server = await asyncio.start_server(rank.serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    entry = FakeRank(name="r0")
-    entry.url = f"http://127.0.0.1:{port}"
+    rank, p, server = await _lying(proxy, stream=True)
     try:
-        p: Running = await proxy(settings_for([entry], hold={"keepalive_s": 0.05}))
         req = {"model": "fake-model", "prompt": "hello", "max_tokens": 8, "stream": True}
         req |= {"temperature": 0, "return_token_ids": True}
         async with (
@@ -175,6 +199,30 @@ async def test_a_stream_whose_length_lies_is_continued_on_a_connection_of_its_ow
         want = [json.loads(e[6:])["choices"][0]["token_ids"][0] for e in _events("hello", 8)[:-1]]
         assert rank.lied
         assert ids == want, raw[-400:]
+        assert rank.asked_after_the_lie == 0
+    finally:
+        server.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="proxy/dataplane/relay.py Relay.read_whole releases (pools) the connection before "
+    "proxy/dataplane/generation.py _whole finds the 200's body no JSON object (_not_json): "
+    "the rest of the rank's answer is read as the next client's answer on that connection",
+)
+async def test_a_whole_answer_whose_length_lies_leaves_no_bytes_for_the_next_client(proxy) -> None:
+    rank, p, server = await _lying(proxy, stream=False)
+    try:
+        req: dict[str, Any] = {"model": "fake-model", "max_tokens": 8, "temperature": 0}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(p.url + "/v1/completions", json=req | {"prompt": "a"}) as r:
+                assert r.status == 502  # cut: not a JSON object
+                assert (await r.json())["error"]["code"] == "upstream_failed"
+            async with http.post(p.url + "/v1/completions", json=req | {"prompt": "b"}) as r:
+                assert r.status == 200
+                answer = await r.json()
+        assert rank.lied
+        assert answer["choices"][0]["text"] == json.loads(_whole("b", 8))["choices"][0]["text"]
         assert rank.asked_after_the_lie == 0
     finally:
         server.close()
