@@ -226,3 +226,26 @@ async def test_a_whole_answer_whose_length_lies_leaves_no_bytes_for_the_next_cli
         assert rank.asked_after_the_lie == 0
     finally:
         server.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="proxy/ingress/app.py proxy_v1 sends a HEAD to a forwarded GET path on as HEAD, and "
+    "proxy/upstream/client.py reads every answer's body by its head: the Content-Length of a "
+    "HEAD's answer is waited for until timeouts.read_s (300 s by default), then a 502",
+)
+async def test_a_head_request_to_a_forwarded_get_path_is_answered_at_once(fakes, proxy) -> None:
+    rank: FakeRank = await fakes(name="r0")
+    forward = {"forward": ["POST /v1/completions", "GET /v1/foo"]}
+    p: Running = await proxy(settings_for([rank], routing=forward, timeouts={"read_s": 30.0}))
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        writer.write(b"HEAD /v1/foo HTTP/1.1\r\nHost: proxy\r\n\r\n")
+        answer = await _answer_within(reader, 2.0)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        assert answer.endswith(b"\r\n\r\n")  # the head only
+        writer.write(b"GET /v1/foo HTTP/1.1\r\nHost: proxy\r\n\r\n")  # the connection goes on
+        assert (await _answer_within(reader, 2.0)).startswith(b"HTTP/1.1 200 ")
+    finally:
+        writer.close()
+        await writer.wait_closed()
