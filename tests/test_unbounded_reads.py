@@ -191,13 +191,6 @@ async def _lying(proxy: Any, stream: bool) -> tuple[_LyingRank, Running, asyncio
     return rank, await proxy(settings_for([entry], hold={"keepalive_s": 0.05})), server
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy/dataplane/hold/pump.py Pump.pump: a stream whose body ended without its "
-    "[DONE] is held and continued as lost, but its connection goes back to the pool "
-    "(RankResponse.close pools a complete answer): the rest of the rank's answer is read "
-    "as the next request's on it (here the continuation's /detokenize)",
-)
 async def test_a_stream_whose_length_lies_is_continued_on_a_connection_of_its_own(proxy) -> None:
     rank, p, server = await _lying(proxy, stream=True)
     try:
@@ -221,12 +214,6 @@ async def test_a_stream_whose_length_lies_is_continued_on_a_connection_of_its_ow
         server.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy/dataplane/relay.py Relay.read_whole releases (pools) the connection before "
-    "proxy/dataplane/generation.py _whole finds the 200's body no JSON object (_not_json): "
-    "the rest of the rank's answer is read as the next client's answer on that connection",
-)
 async def test_a_whole_answer_whose_length_lies_leaves_no_bytes_for_the_next_client(proxy) -> None:
     rank, p, server = await _lying(proxy, stream=False)
     try:

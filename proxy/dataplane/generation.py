@@ -110,7 +110,7 @@ async def _whole(
     up = attempt.response
     _check_encoding(up)
     try:
-        raw: bytes | None = await relay.read_whole(attempt)
+        raw: bytes | None = await relay.read_whole(attempt, _is_object)
     except BODY_ERRORS:
         raw = None  # lost before the answer: start over
     if raw is not None and up.status == 200 and not _is_object(raw):

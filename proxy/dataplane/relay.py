@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -461,19 +461,29 @@ class Relay:
         if (rec := accesslog.current()) is not None:
             rec.queue_s += seconds
 
-    async def read_whole(self, attempt: Attempt) -> bytes:
+    async def read_whole(
+        self, attempt: Attempt, sane: Callable[[bytes], bool] | None = None
+    ) -> bytes:
         """The answer's whole body, then released. Over
         ``limits.max_upstream_body_bytes``: :class:`UpstreamFailed` (a 502
-        for the client), counted against the rank; memory stays bounded."""
+        for the client), counted against the rank; memory stays bounded.
+        ``sane``: what a 200's body must be to be an answer; one that is not
+        is returned still (the caller says what it is), but its connection
+        is discarded, never pooled (a cut answer's rest would be the next
+        request's answer on it)."""
         up = attempt.response
         limit = self.settings.limits.max_upstream_body_bytes
+        whole: bytes | None = None
         try:
             if up.complete:  # all in already (the common case): nothing to time
                 whole = up.whole_body(limit)  # no coroutine, unless it failed
-                return whole if whole is not None else await up.read(limit)
-            # read_s bounds each silence; this, the whole: vLLM sends a whole
-            # answer at once, so a body still coming after read_s is a drip.
-            return await _read_within(up, limit, self.settings.timeouts.read_s)
+                if whole is None:
+                    whole = await up.read(limit)
+            else:
+                # read_s bounds each silence; this, the whole: vLLM sends a whole
+                # answer at once, so a body still coming after read_s is a drip.
+                whole = await _read_within(up, limit, self.settings.timeouts.read_s)
+            return whole
         except BodyTooLarge as e:
             self.metrics.upstream_errors.labels(attempt.rank.name, "body_too_large").inc()
             log.warning(
@@ -487,7 +497,10 @@ class Relay:
                 f"rank {attempt.rank.name} answered {up.status} with a body over {limit} bytes"
             ) from e
         finally:
-            up.release()
+            if whole is not None and sane is not None and up.status == 200 and not sane(whole):
+                up.discard()
+            else:
+                up.release()  # closed, not pooled, unless read to its end
 
     async def relay(self, reply: Reply, attempt: Attempt) -> None:
         """Pass the upstream answer on as it is."""

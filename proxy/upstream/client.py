@@ -506,6 +506,17 @@ class RankResponse:
 
     release = close  # the relay's word for a response it read to the end
 
+    def discard(self) -> None:
+        """Done with an answer the proxy judged broken (a stream that ended
+        without its end, a 200 that is no JSON object): as :meth:`close`, but
+        its connection closes even when the framing says the answer is
+        complete. A rank whose Content-Length lied has the rest still to
+        send, and pooled, those bytes would be read as the next request's
+        answer: a connection is pooled for an answer judged whole and sane,
+        never for its framing alone."""
+        self.keep_alive = False
+        self.close()
+
 
 class RankClient:
     """Keep-alive connections to ranks, at most ``per_rank`` each (0: no

@@ -55,17 +55,24 @@ class Pump:
         self.flow.attach(attempt)
         attempt.count()  # a continuation loads the rank it runs on
         parser = new_parser()
+        # Whether the answer was judged whole and sane: only then may its
+        # connection be pooled. A body whose framing ended without the
+        # stream's end (a Content-Length that lied) has its rest still to
+        # come from the rank, which the next request on it would read.
+        sane = False
         try:
             if self.sink.direct:
                 outcome = await self._pump_direct(attempt, parser, handle)
             else:
                 outcome = await self._pump_awaiting(attempt, parser, handle)
             if outcome is not None:
+                sane = outcome is not PumpEnd.INCOMPLETE
                 return outcome
+            sane = bool(self.book.finish_reason)
         except BODY_ERRORS as e:  # a client that left (ClientGone) has nothing to hold for
             log.info("[%s] upstream %s lost: %r", self.request_id, attempt.rank.name, e)
         finally:
-            attempt.response.close()
+            attempt.response.close() if sane else attempt.response.discard()
             attempt.uncount()  # the rank is done with it, whatever comes next
             self.flow.upstream = None
         return PumpEnd.FINISHED if self.book.finish_reason else self.fault("connection lost")
