@@ -253,3 +253,92 @@ async def test_a_head_request_to_a_forwarded_get_path_is_answered_at_once(fakes,
     finally:
         writer.close()
         await writer.wait_closed()
+
+
+class _RankThatCuts:
+    """A rank whose first answer of one kind (``what``) is one the proxy
+    rejects although its framing ends: a ``/detokenize`` 200 whose
+    Content-Length cuts its JSON (asked by the continuation of a stream that
+    ends without its ``[DONE]``), a redirect, a gzip-encoded 200, a stream
+    whose ``[DONE]`` comes without a finish reason. What it sends next on
+    that connection, whatever is asked there, is another prompt's answer.
+    Every other answer is well made."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.lied = False
+        self.asked_after_the_lie = 0  # requests sent on the connection that lied
+
+    def _reply(self, path: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
+        """The answer to a request, and whether it is the lie."""
+        what, first = self.what, not self.lied
+        if path == b"/v1/completions" and body.get("stream"):
+            events = _events(body["prompt"], body["max_tokens"])
+            if first and what == "detokenize":  # ends without [DONE]: continued
+                return _answer(_SSE, b"".join(events[:3]), chunked=True), False
+            if first and what == "done":
+                return _answer(_SSE, b"".join([*events[:3], b"data: [DONE]\n\n"])), True
+            return _answer(_SSE, b"".join(events), chunked=True), False
+        if path == b"/v1/completions":
+            whole = _whole(body["prompt"], body["max_tokens"])
+            if first and what == "redirect":
+                head = b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://10.1.2.3:8000/\r\n"
+                return head + b"Content-Length: 5\r\n\r\nmoved", True
+            if first and what == "gzip":
+                head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                cut = whole[: len(whole) // 2]
+                head += b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(cut)
+                return head + cut, True
+            return _answer(b"application/json", whole), False
+        side = _side(path, body)
+        if first and what == "detokenize" and path == b"/detokenize":
+            return _answer(b"application/json", side[: len(side) // 2]), True
+        return _answer(b"application/json", side), False
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lying = False
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError), _closing(writer):
+            while True:
+                raw = await read_request(reader)
+                path = raw.split(b" ", 2)[1].split(b"?")[0]
+                body = json.loads(raw.partition(b"\r\n\r\n")[2] or b"{}")
+                if lying:
+                    self.asked_after_the_lie += 1
+                    writer.write(_answer(b"application/json", _whole([7, 7, 7], 8)))
+                else:
+                    answer, lying = self._reply(path, body)
+                    self.lied = self.lied or lying
+                    writer.write(answer)
+                await writer.drain()
+
+
+@pytest.mark.parametrize("what", ["detokenize", "redirect", "gzip", "done"])
+async def test_an_answer_the_proxy_rejects_leaves_no_bytes_for_the_next_request(
+    proxy, what: str
+) -> None:
+    """Whatever the proxy rejects after reading it to its framing's end is
+    never pooled: a side request's cut JSON, a redirect, an encoding it does
+    not read, a stream ended without a finish reason."""
+    rank = _RankThatCuts(what)
+    server = await asyncio.start_server(rank.serve, "127.0.0.1", 0)
+    entry = FakeRank(name="r0")
+    entry.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    p: Running = await proxy(settings_for([entry], hold={"keepalive_s": 0.05, "max_s": 2.0}))
+    try:
+        req: dict[str, Any] = {"model": "fake-model", "max_tokens": 8, "temperature": 0}
+        first = req | {"prompt": "a", "stream": what in ("detokenize", "done")}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(p.url + "/v1/completions", json=first) as r:
+                raw = await r.read()
+            assert rank.lied, raw[-300:]
+            if not first["stream"]:
+                assert r.status == 502, raw[:300]
+            else:
+                assert b'"error"' in raw, raw[-300:]  # not passed off as a whole answer
+            async with http.post(p.url + "/v1/completions", json=req | {"prompt": "b"}) as r:
+                assert r.status == 200
+                answer = await r.json()
+        assert answer["choices"][0]["text"] == json.loads(_whole("b", 8))["choices"][0]["text"]
+        assert rank.asked_after_the_lie == 0
+    finally:
+        server.close()

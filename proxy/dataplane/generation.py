@@ -170,7 +170,7 @@ def _check_encoding(up: RankResponse) -> None:
     one would be passed on unread, or as plain bytes labeled compressed."""
     encoding = (up.header(b"content-encoding") or "identity").strip().lower()
     if encoding not in ("identity", ""):
-        up.close()
+        up.discard()  # no answer the proxy takes: its connection is not pooled
         raise UpstreamFailed(
             f"the rank answered with Content-Encoding {encoding!r}, which the "
             "proxy does not read; it asks ranks for identity"

@@ -298,7 +298,7 @@ class Relay:
         that is no answer: like a malformed one (closed, said in ``failures``)."""
         if not (300 <= resp.status < 400 and resp.status != 304):
             return False
-        resp.close()
+        resp.discard()
         failures.append(f"{rank.name}: redirect {resp.status}")
         self.metrics.upstream_errors.labels(rank.name, "bad_response").inc()
         log.warning(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,12 +46,21 @@ async def _error_text(response: RankResponse) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
+def _an_object(raw: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(raw), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
 class Sender(Protocol):
     """What the continuer asks of the relay (:class:`~proxy.dataplane.relay.Relay`)."""
 
     async def open(self, out: Outbound, queue_s: float | None = None) -> Attempt: ...
 
-    async def read_whole(self, attempt: Attempt) -> bytes: ...
+    async def read_whole(
+        self, attempt: Attempt, sane: Callable[[bytes], bool] | None = None
+    ) -> bytes: ...
 
     def route_key(self, body: dict[str, Any], headers: Mapping[str, str]) -> RouteKey | None: ...
 
@@ -231,7 +240,10 @@ class Continuer:
         try:
             async with asyncio.timeout(max(self.hold.left(), 0.1)):
                 attempt = await self.sender.open(out, queue_s=self.hold.left())
-                return attempt.response.status, await self.sender.read_whole(attempt)
+                # Every side answer is a JSON object: a 200 that is not (a
+                # cut one) leaves its connection unpooled.
+                raw = await self.sender.read_whole(attempt, _an_object)
+                return attempt.response.status, raw
         except TimeoutError as e:
             raise self.hold.timed_out() from e
         except (ProxyError, RankError) as e:
