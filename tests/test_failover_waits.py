@@ -161,3 +161,34 @@ async def test_a_rank_that_drops_every_try_with_no_fault_is_not_waited_for(
     assert time.monotonic() - t0 < 1.0
     await asyncio.sleep(FAST_POLL_S * 4)
     assert len(a.received) == 1
+
+
+async def test_a_request_whose_pick_waits_twice_waits_at_most_queue_s_in_all(
+    fakes, proxy, http
+) -> None:
+    # The queue budget is made at the first wait and kept for every later
+    # one: a rank that comes back and drops the request does not start the
+    # wait for another over.
+    gate = asyncio.Event()
+    a = await fakes(name="a", mode="reset", gate=gate)
+    b = await fakes(name="b")
+    p = await proxy(settings_for([a, b], separate=True, timeouts={"queue_s": 2.0}))
+    table, relay = p.app[TABLE], p.app[RELAY]
+    a.fault()
+    b.fault()
+    assert await table.wait_for(lambda: not table.any_routable(), 2.0)
+    started = time.monotonic()
+    pending = asyncio.create_task(ask(http, p.url, False))
+    assert await until(lambda: relay.waiting == 1, 2.0)
+    await asyncio.sleep(1.2)
+    a.recover()  # a takes it, and faults while it holds it
+    assert await until(lambda: len(a.received) == 1, 2.0)
+    waited = time.monotonic() - started
+    a.fault()
+    assert await table.wait_for(lambda: not table.any_routable(), 2.0)
+    gate.set()  # a drops it: the request waits again, for what is left
+    dropped = time.monotonic()
+    status, answer = await asyncio.wait_for(pending, 5.0)
+    assert status == 503 and answer["error"]["code"] == "no_healthy_rank", answer
+    assert time.monotonic() - dropped < 2.0 - waited + 0.6, waited  # not 2.0 again
+    assert len(a.received) == 1 and b.received == []

@@ -140,3 +140,29 @@ def _hides() -> list[Callable[[bytes], bytes]]:
 
         hides.append(_events.hide_ids)
     return hides
+
+
+@pytest.mark.parametrize("key", [b'"token_ids":', b'"prompt_token_ids":'])
+def test_every_byte_after_a_key(hide: Callable[[bytes], bytes], key: bytes) -> None:
+    # Only the six bytes of \s (bytes pattern) may stand between a key and its
+    # list: not \x1c-\x1f, \x85 or \xa0, which str patterns take as spaces.
+    for b in range(256):
+        for data in (key + bytes([b]) + b"[1]", key + bytes([b, b]) + b"[1]"):
+            assert hide(data) == reference(data), data
+
+
+def test_large_and_repeated(hide: Callable[[bytes], bytes]) -> None:
+    # Lists and answers far past the result buffer's first size (it doubles),
+    # a key far into the answer, one nulled many times, and a key with no
+    # list's end after it.
+    long_list = b'"token_ids":[' + b"1," * 200_000 + b"2]"
+    many = b'{"token_ids":[1],"prompt_token_ids":[2,3],"x":"\x00"}' * 20_000
+    for data in (
+        long_list,
+        b'{"text":"' + b"a" * 100_000 + b'","token_ids":[1]}',
+        long_list * 3 + b'"prompt_token_ids":[' + b"9" * 100_000,
+        many,
+        many + b'"token_ids":[' + b"7" * 1000,
+        b'"token_ids":' * 50_000,
+    ):
+        assert hide(data) == reference(data), data[:80]
