@@ -265,6 +265,9 @@ class Connection(asyncio.Protocol):
         self._upgrade_left = 0  # body bytes of an upgrade request still to read
         self._linger_keep = False  # whether the connection goes on once the lingering body is in
         self._head_bytes = 0  # read of the head being parsed
+        # Read since the head or the last body byte, none among them (chunk
+        # framing, extensions, trailers): bounded as a head is.
+        self._dry = 0
 
     # -- asyncio ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -340,12 +343,23 @@ class Connection(asyncio.Protocol):
         if self._upgrade_left:
             self._feed_upgrade_body(data)
             return
-        if self.parsing is None or not self.parsing.in_body:
+        msg = self.parsing
+        if msg is None or not msg.in_body:
             self._head_bytes += len(data)
             if self._head_bytes > _MAX_HEAD:
                 self._parse_error(f"request head larger than {_MAX_HEAD} bytes")
                 return
-        self._feed(data)
+            self._feed(data)
+        else:
+            # llhttp sets no bound after a chunk's data, and httptools
+            # gathers a trailer field's value whole: on_body resets this.
+            self._dry += len(data)
+            self._feed(data)
+            if self._dry > _MAX_HEAD and self.parsing is msg and not self.stopped:
+                self._parse_error(
+                    f"over {_MAX_HEAD} bytes without a body byte (chunk framing, trailers)"
+                )
+                return
         if fresh and self._head_coming():
             # Armed only for a head that did not come whole in this read (most
             # do): its time runs from these bytes all the same.
@@ -447,7 +461,7 @@ class Connection(asyncio.Protocol):
         msg = self.parsing
         assert msg is not None
         msg.in_body = True
-        self._head_bytes = 0
+        self._head_bytes = self._dry = 0
         if self.answering is None:
             self._disarm_header_timer()
         if msg.url == b"*":  # no resource of the proxy's is the server as a whole
@@ -485,6 +499,7 @@ class Connection(asyncio.Protocol):
         )
 
     def on_body(self, body: bytes) -> None:
+        self._dry = 0
         if self.parsing is not None and self.parsing.body is not None:
             self.parsing.body.feed(body)
 
@@ -558,7 +573,8 @@ class Connection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return
         body = msg.body
-        if body is not None and not body.complete and body.error is None:
+        # A body refused as the parser read it (self.stopped) is still coming too.
+        if body is not None and not body.complete and (body.error is None or self.stopped):
             # Answered before its body was all in: the rest is read (and
             # dropped) for a moment, so the client reads the answer, not a reset.
             self._linger_keep = keep_alive
