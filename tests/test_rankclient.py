@@ -934,3 +934,95 @@ async def test_an_answer_still_coming_when_the_client_closes_is_cut_not_ended(ra
         await asyncio.wait_for(asking, 1.0)
     assert not isinstance(e.value, StaleConnection), "the rank did not close it"
     await client.close()
+
+
+@pytest.mark.parametrize(
+    ("framing", "length"),
+    [
+        (b"Content-Length: 1234\r\n", "1234"),
+        (b"Transfer-Encoding: chunked\r\n", None),
+        (b"Content-Length: 0\r\n", "0"),
+    ],
+    ids=["length", "chunked", "empty"],
+)
+async def test_an_answer_to_head_ends_with_its_head_and_its_connection_goes_on(
+    rank, framing: bytes, length: str | None
+) -> None:
+    """RFC 9112 §6.3: an answer to HEAD has no body, whatever its head frames
+    (the GET's): it is complete at once, its Content-Length as the rank gave
+    it and no body over a limit, and its connection takes the next request."""
+    conns = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns
+        conns += 1
+        while not reader.at_eof():
+            request = await read_request(reader)
+            if request.startswith(b"HEAD "):
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n%b\r\n" % framing
+                )
+            else:
+                writer.write(OK)
+
+    url = await rank(serve)
+    client = _client(read_s=30.0)
+    for _ in range(2):
+        resp = await client.request("HEAD", url, CIMultiDict(), b"")
+        try:
+            assert resp.status == 200 and resp.complete
+            assert resp.header(b"content-length") == length
+            assert await asyncio.wait_for(resp.read(100), 1) == b""
+        finally:
+            resp.release()
+        assert await asyncio.wait_for(_get(client, url), 1) == (200, b"{}")
+    await client.close()
+    assert conns == 1
+
+
+async def test_a_body_after_an_answer_to_head_is_never_the_next_answer(rank) -> None:
+    """A rank that sends a body after its answer to HEAD: bytes nobody asked
+    for, whether they come with the head or after it; the connection closes."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n"
+    for late in (False, True):
+        conns = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal conns
+            conns += 1
+            while not reader.at_eof():
+                if (await read_request(reader)).startswith(b"HEAD "):
+                    writer.write(head if late else head + b"forged!")  # noqa: B023
+                    await writer.drain()
+                    if late:  # noqa: B023
+                        await asyncio.sleep(0.05)
+                        writer.write(b"forged!")
+                else:
+                    writer.write(OK)
+
+        url = await rank(serve)
+        client = _client()
+        resp = await client.request("HEAD", url, CIMultiDict(), b"")
+        assert (resp.status, await resp.read()) == (200, b"")
+        await asyncio.sleep(0.1)  # what comes late comes before the next request
+        resp.release()
+        assert await asyncio.wait_for(_get(client, url), 1) == (200, b"{}")
+        await client.close()
+        assert conns == 2, late
+
+
+async def test_a_304s_length_is_no_body_over_a_limit(rank) -> None:
+    """A 304's Content-Length is that of the representation it stands for
+    (RFC 9110 §8.6): no body comes, none over the limit of a read."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while not reader.at_eof():
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 304 Not Modified\r\nContent-Length: 1234\r\n\r\n")
+
+    url = await rank(serve)
+    client = _client()
+    resp = await client.request("GET", url, CIMultiDict(), b"")
+    assert (resp.status, await resp.read(100)) == (304, b"")
+    resp.release()
+    await client.close()

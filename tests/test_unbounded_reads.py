@@ -232,12 +232,6 @@ async def test_a_whole_answer_whose_length_lies_leaves_no_bytes_for_the_next_cli
         server.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy/ingress/app.py proxy_v1 sends a HEAD to a forwarded GET path on as HEAD, and "
-    "proxy/upstream/client.py reads every answer's body by its head: the Content-Length of a "
-    "HEAD's answer is waited for until timeouts.read_s (300 s by default), then a 502",
-)
 async def test_a_head_request_to_a_forwarded_get_path_is_answered_at_once(fakes, proxy) -> None:
     rank: FakeRank = await fakes(name="r0")
     forward = {"forward": ["POST /v1/completions", "GET /v1/foo"]}

@@ -80,6 +80,7 @@ class _Conn(asyncio.Protocol):
         self.dry = 0  # read since the head or the last body byte, none among them
         self.body_read = False  # the current read held a body byte
         self.interim = False  # parsing a 1xx answer: not the final one
+        self.head_only = False  # the current request is a HEAD (see _head_answered)
         # The final head is in: a field now is a trailer (llhttp reports them
         # through on_header too), no header of this answer or the next.
         self.in_body = False
@@ -173,6 +174,17 @@ class _Conn(asyncio.Protocol):
         self.in_body = True
         resp._headers_in(status, self.headers, self.parser.should_keep_alive())
         self.headers = []
+        if self.head_only:
+            self._head_answered(resp)
+
+    def _head_answered(self, resp: RankResponse) -> None:
+        """RFC 9112 §6.3: an answer to HEAD ends with its head, whatever its
+        Content-Length says (that of the GET's body). httptools cannot tell
+        llhttp to skip the body, so the answer is over here (a byte parsed as
+        its body is one nobody asked for: _flush) and the next answer gets a
+        parser of its own (send)."""
+        resp._finish()
+        self.response = None
 
     def on_body(self, body: bytes) -> None:
         self.parts.append(body)
@@ -189,6 +201,8 @@ class _Conn(asyncio.Protocol):
         parts.clear()
         if self.response is not None:
             self.response._body(data)
+        else:  # a body after an answer to HEAD: the connection is not to be trusted
+            self.close()
 
     def on_message_complete(self) -> None:
         if self.interim:
@@ -200,8 +214,11 @@ class _Conn(asyncio.Protocol):
             resp._finish()
 
     # -- used by RankClient and RankResponse -----------------------------------
-    def send(self, data: bytes, resp: RankResponse) -> None:
+    def send(self, data: bytes, resp: RankResponse, head: bool = False) -> None:
         assert self.transport is not None and self.response is None
+        if self.head_only:  # the last answer was to HEAD: llhttp still waits for its body
+            self.parser = httptools.HttpResponseParser(self)
+        self.head_only = head
         self.response, self.got_bytes, self.head_bytes, self.dry = resp, False, 0, 0
         # first_read too: a check before this answer's first byte reads no earlier answer's.
         self.last_read = self.first_read = self.pool.loop.time()
@@ -463,8 +480,7 @@ class RankResponse:
         gives it, but no coroutine; None for any other (:meth:`read` it)."""
         if not self.complete or self._exc is not None:
             return None
-        if limit is not None and self.content_length > limit:
-            self._too_large(limit)
+        # Its length is that of the bytes in: a HEAD's or a 304's Content-Length is no body's.
         data = self._take_buffered() if self._buf else b""
         if limit is not None and len(data) > limit:
             self._too_large(limit)
@@ -560,7 +576,7 @@ class RankClient:
         if conn is None:
             conn = await self._connect(key)
         resp = RankResponse(conn)
-        conn.send(_encode(method, url, host, headers, body), resp)
+        conn.send(_encode(method, url, host, headers, body), resp, method == "HEAD")
         # Until the status line and headers are in, awaited here and not in
         # a helper coroutine: each layer of awaits costs every request.
         try:
