@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy.control import models
 from proxy.control.coordination import COORD, Coordination
@@ -26,6 +27,7 @@ from proxy.core.settings import Settings
 from proxy.core.tasks import supervised
 from proxy.dataplane import generation
 from proxy.dataplane.relay import Outbound, Relay
+from proxy.dataplane.sink import Reply, Sink, bodiless
 from proxy.ingress import admin, drain
 from proxy.ingress.drain import DRAIN, Drain
 from proxy.ingress.inbound import check_api_key, read_json
@@ -68,8 +70,40 @@ async def proxy_v1(request: Request) -> None:
     out, kind = _outbound(request, relay, body, parsed)
     if kind is not None and request.method == "POST":
         await generation.forward(relay, request.reply, out, kind, parsed)
+    elif request.method == "HEAD":
+        await _forward_head(relay, request.reply, out)
     else:
         await relay.forward(request.reply, out)
+
+
+async def _forward_head(relay: Relay, reply: Reply, out: Outbound) -> None:
+    """A HEAD's answer: the rank's head, with the Content-Length the rank
+    gave (that of the GET's body, RFC 9110 §9.3.2), not the length of the
+    no body that came, which is what the relay passes on."""
+    async with relay.attempt(out) as attempt:
+        length = attempt.response.header(b"content-length")
+        await relay.relay(reply if length is None else _HeadReply(reply, length), attempt)
+
+
+class _HeadReply:
+    """``reply``, a whole answer's Content-Length given, not counted."""
+
+    def __init__(self, reply: Reply, length: str) -> None:
+        self.reply, self.length = reply, length
+
+    async def whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        if not bodiless(status):  # a 204's or a 304's says nothing of a body
+            headers["Content-Length"] = self.length
+        await self.reply.whole(status, headers, body)
+
+    async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
+        return await self.reply.open_stream(status, headers)
+
+    async def close_stream(self) -> None:
+        await self.reply.close_stream()
+
+    def abort(self) -> None:
+        self.reply.abort()
 
 
 def _outbound(

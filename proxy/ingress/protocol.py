@@ -756,6 +756,9 @@ class ConnReply:
         if bodiless(status):
             self.conn.write(self._head(status, headers, "\r\n"))
             return
+        if self.head_only and "Content-Length" in headers:  # a rank's (proxy.ingress.app)
+            self.conn.write(self._head(status, headers, "\r\n"))
+            return
         head = self._head(status, headers, f"Content-Length: {len(body)}\r\n\r\n")
         self.conn.write(head if self.head_only else head + body)
 
