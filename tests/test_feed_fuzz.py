@@ -238,3 +238,37 @@ async def test_a_task_that_dies_is_logged_counted_and_restarted(monkeypatch, cap
     assert runs == 3
     assert 'ftproxy_task_restarts_total{task="demo"} 2.0' in metrics.render().decode()
     assert "background task demo died" in caplog.text
+
+
+async def test_a_feed_message_over_the_status_bound_is_never_taken(pub: Any) -> None:
+    # A publisher's message is read whole into memory before it is parsed:
+    # one over limits.max_status_bytes (the bound of the same status read by
+    # a poll) is refused as it comes, not buffered and then believed.
+    sock, address = pub
+    settings = Settings(groups=[{"name": "g", "ranks": [
+        {"name": "r", "url": "http://127.0.0.1:1", "status_feed": address}]}])  # fmt: skip
+    table = RankTable(settings.groups)
+    table.observe("r", None, "poll", reachable=True, status="unknown")
+    task = asyncio.create_task(PushFeed(table, Timeouts(), Metrics(table)).run())
+    rank = table.ranks["r"]
+    try:
+        for seq in range(1, 200):  # PUB drops until the subscriber joined
+            sock.send_multipart(good(seq))
+            if await table.wait_for(lambda: rank.routable, 0.02):
+                break
+        assert rank.routable
+        pad = "x" * (Limits().max_status_bytes + 1)
+        engines = [{"id": 0, "status": "unhealthy", "fault_info": pad}]
+        sock.send_multipart(good(1_000, engines=engines))
+        await asyncio.sleep(0.5)
+        assert rank.status == RankStatus.HEALTHY and rank.routable
+        # ZMQ ends that session for good; the next, after a silence, takes
+        # the feed again.
+        for seq in range(2_000, 2_200):
+            sock.send_multipart(good(seq, "unhealthy"))
+            if await table.wait_for(lambda: rank.status == "unhealthy", 0.05):
+                break
+        assert rank.status == "unhealthy" and not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -245,8 +245,12 @@ def _published_at(ts: float, now: float) -> float | None:
 class PushFeed:
     """One ZMQ subscriber per rank with a ``status_feed`` address."""
 
-    def __init__(self, table: RankTable, t: Timeouts, metrics: Metrics) -> None:
+    def __init__(
+        self, table: RankTable, t: Timeouts, metrics: Metrics, limits: Limits | None = None
+    ) -> None:
         self.table, self.t, self.metrics = table, t, metrics
+        # A message is the status a poll reads, bounded as that answer is.
+        self.max_bytes = (limits or Limits()).max_status_bytes
 
     async def run(self) -> None:
         def feeds() -> set[tuple[str, str]]:
@@ -257,28 +261,38 @@ class PushFeed:
         )
 
     async def _subscribe(self, name: str, address: str) -> None:
+        # One order across sessions: a new socket does not make an old
+        # message new.
+        order = pushwire.Sequencer()
+        while True:
+            await self._session(name, address, order)
+
+    async def _session(self, name: str, address: str, order: pushwire.Sequencer) -> None:
+        """One socket until the feed is silent, then the next: a session ZMQ
+        ended for a protocol error (a message over ``max_bytes``) is never
+        reconnected by ZMQ itself."""
         import zmq
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        # ZMQ reads a message whole before handing it over: a larger one ends
+        # that session instead of filling memory first.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         sock.setsockopt(zmq.SUBSCRIBE, protocol.TOPIC)
         sock.connect(address)
         silence_s = protocol.HEARTBEAT_INTERVAL_S * self.t.feed_silence_intervals
-        order = pushwire.Sequencer()
         # Silence is measured from the last message taken: a stream of junk
         # is silence too.
         deadline = time.monotonic() + silence_s
         try:
-            while True:
-                wait_ms = int((deadline - time.monotonic()) * 1000)
-                if wait_ms > 0 and await sock.poll(timeout=wait_ms):
-                    if self._take(name, await sock.recv_multipart(), order):
-                        deadline = time.monotonic() + silence_s
-                elif time.monotonic() >= deadline:
-                    self._silent(name, silence_s)
+            while (wait_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+                if await sock.poll(timeout=wait_ms) and self._take(
+                    name, await sock.recv_multipart(), order
+                ):
                     deadline = time.monotonic() + silence_s
+            self._silent(name, silence_s)
         finally:
             with contextlib.suppress(Exception):
                 sock.close()

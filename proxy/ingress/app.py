@@ -225,7 +225,8 @@ async def _liveness(app: web.Application) -> None:
 
 
 async def _push(app: web.Application) -> None:
-    await PushFeed(app[TABLE], app[SETTINGS].timeouts, app[METRICS]).run()
+    s = app[SETTINGS]
+    await PushFeed(app[TABLE], s.timeouts, app[METRICS], s.limits).run()
 
 
 async def _auto_recovery(app: web.Application) -> None:
