@@ -132,7 +132,40 @@ def _whole(prompt: str | list[int], n: int) -> bytes:
     return json.dumps({"id": "cmpl-x", "object": "text_completion", "choices": [choice]}).encode()
 
 
-class _LyingRank:
+class _RawRank:
+    """A raw rank that answers each request on a connection in turn; once
+    an answer of its lied (:meth:`_reply` says so), whatever is asked next
+    on that connection is answered with :meth:`_after_the_lie`, and counted."""
+
+    def __init__(self) -> None:
+        self.lied = False
+        self.asked_after_the_lie = 0  # requests sent on the connection that lied
+
+    def _reply(self, path: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
+        """The answer to a request, and whether it is the lie."""
+        raise NotImplementedError
+
+    def _after_the_lie(self) -> bytes:
+        raise NotImplementedError
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lying = False
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError), _closing(writer):
+            while True:
+                raw = await read_request(reader)
+                path = raw.split(b" ", 2)[1].split(b"?")[0]
+                body = json.loads(raw.partition(b"\r\n\r\n")[2] or b"{}")
+                if lying:
+                    self.asked_after_the_lie += 1
+                    writer.write(self._after_the_lie())
+                else:
+                    answer, lying = self._reply(path, body)
+                    self.lied = self.lied or lying
+                    writer.write(answer)
+                await writer.drain()
+
+
+class _LyingRank(_RawRank):
     """A rank whose first completion (streamed or whole, as ``stream`` says)
     has a Content-Length that ends it early: a stream after three events, with
     no finish reason and no ``[DONE]``; a whole answer halfway through its
@@ -141,9 +174,15 @@ class _LyingRank:
     connection is answered well."""
 
     def __init__(self, stream: bool) -> None:
+        super().__init__()
         self.stream = stream
-        self.lied = False
-        self.asked_after_the_lie = 0  # requests sent on the connection that lied
+
+    def _reply(self, path: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
+        if path != b"/v1/completions":
+            return _answer(b"application/json", _side(path, body)), False
+        lied = self.lied
+        answer = self._generation(body)
+        return answer, self.lied and not lied
 
     def _generation(self, body: dict[str, Any]) -> bytes:
         stream, n = bool(body.get("stream")), body["max_tokens"]
@@ -159,28 +198,10 @@ class _LyingRank:
         self.lied = True
         return _answer(b"application/json", whole[: len(whole) // 2])
 
-    def _rest_of_the_lie(self) -> bytes:
+    def _after_the_lie(self) -> bytes:
         if self.stream:
             return _answer(_SSE, b"".join(_events([7, 7, 7], 8)), chunked=True)
         return _answer(b"application/json", _whole([7, 7, 7], 8))
-
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        lying = False
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError), _closing(writer):
-            while True:
-                raw = await read_request(reader)
-                path = raw.split(b" ", 2)[1].split(b"?")[0]
-                body = json.loads(raw.partition(b"\r\n\r\n")[2] or b"{}")
-                if lying:
-                    self.asked_after_the_lie += 1
-                    writer.write(self._rest_of_the_lie())
-                elif path == b"/v1/completions":
-                    lied = self.lied
-                    writer.write(self._generation(body))
-                    lying = self.lied and not lied
-                else:
-                    writer.write(_answer(b"application/json", _side(path, body)))
-                await writer.drain()
 
 
 async def _lying(proxy: Any, stream: bool) -> tuple[_LyingRank, Running, asyncio.Server]:
@@ -253,7 +274,7 @@ async def test_a_head_request_to_a_forwarded_get_path_is_answered_at_once(fakes,
         await writer.wait_closed()
 
 
-class _RankThatCuts:
+class _RankThatCuts(_RawRank):
     """A rank whose first answer of one kind (``what``) is one the proxy
     rejects although its framing ends: a ``/detokenize`` 200 whose
     Content-Length cuts its JSON (asked by the continuation of a stream that
@@ -263,12 +284,10 @@ class _RankThatCuts:
     Every other answer is well made."""
 
     def __init__(self, what: str) -> None:
+        super().__init__()
         self.what = what
-        self.lied = False
-        self.asked_after_the_lie = 0  # requests sent on the connection that lied
 
     def _reply(self, path: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
-        """The answer to a request, and whether it is the lie."""
         what, first = self.what, not self.lied
         if path == b"/v1/completions" and body.get("stream"):
             events = _events(body["prompt"], body["max_tokens"])
@@ -293,21 +312,8 @@ class _RankThatCuts:
             return _answer(b"application/json", side[: len(side) // 2]), True
         return _answer(b"application/json", side), False
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        lying = False
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError), _closing(writer):
-            while True:
-                raw = await read_request(reader)
-                path = raw.split(b" ", 2)[1].split(b"?")[0]
-                body = json.loads(raw.partition(b"\r\n\r\n")[2] or b"{}")
-                if lying:
-                    self.asked_after_the_lie += 1
-                    writer.write(_answer(b"application/json", _whole([7, 7, 7], 8)))
-                else:
-                    answer, lying = self._reply(path, body)
-                    self.lied = self.lied or lying
-                    writer.write(answer)
-                await writer.drain()
+    def _after_the_lie(self) -> bytes:
+        return _answer(b"application/json", _whole([7, 7, 7], 8))
 
 
 @pytest.mark.parametrize("what", ["detokenize", "redirect", "gzip", "done"])

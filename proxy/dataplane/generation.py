@@ -109,11 +109,12 @@ async def _whole(
 ) -> None:
     up = attempt.response
     _check_encoding(up)
+    raw: bytes | None
     try:
-        raw: bytes | None = await relay.read_whole(attempt, _is_object)
+        raw, sane = await relay.read_judged(attempt, _is_object)
     except BODY_ERRORS:
-        raw = None  # lost before the answer: start over
-    if raw is not None and up.status == 200 and not _is_object(raw):
+        raw, sane = None, True  # lost before the answer: start over
+    if not sane:
         _not_json(relay, attempt)
     # Errors were already retried on other ranks by the relay: pass them on.
     if raw is not None and (up.status != 200 or not ABORT.search(raw)):

@@ -464,7 +464,14 @@ class Relay:
     async def read_whole(
         self, attempt: Attempt, sane: Callable[[bytes], bool] | None = None
     ) -> bytes:
-        """The answer's whole body, then released. Over
+        """The answer's whole body, as :meth:`read_judged`."""
+        return (await self.read_judged(attempt, sane))[0]
+
+    async def read_judged(
+        self, attempt: Attempt, sane: Callable[[bytes], bool] | None = None
+    ) -> tuple[bytes, bool]:
+        """The answer's whole body, then released, and whether it is sane
+        (the caller need not judge it again). Over
         ``limits.max_upstream_body_bytes``: :class:`UpstreamFailed` (a 502
         for the client), counted against the rank; memory stays bounded.
         ``sane``: what a 200's body must be to be an answer; one that is not
@@ -474,6 +481,7 @@ class Relay:
         up = attempt.response
         limit = self.settings.limits.max_upstream_body_bytes
         whole: bytes | None = None
+        ok = True
         try:
             if up.complete:  # all in already (the common case): nothing to time
                 whole = up.whole_body(limit)  # no coroutine, unless it failed
@@ -483,7 +491,8 @@ class Relay:
                 # read_s bounds each silence; this, the whole: vLLM sends a whole
                 # answer at once, so a body still coming after read_s is a drip.
                 whole = await _read_within(up, limit, self.settings.timeouts.read_s)
-            return whole
+            ok = sane is None or up.status != 200 or sane(whole)
+            return whole, ok
         except BodyTooLarge as e:
             self.metrics.upstream_errors.labels(attempt.rank.name, "body_too_large").inc()
             log.warning(
@@ -497,7 +506,7 @@ class Relay:
                 f"rank {attempt.rank.name} answered {up.status} with a body over {limit} bytes"
             ) from e
         finally:
-            if whole is not None and sane is not None and up.status == 200 and not sane(whole):
+            if not ok:
                 up.discard()
             else:
                 up.release()  # closed, not pooled, unless read to its end
