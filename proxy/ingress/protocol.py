@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import json
 import logging
 import time
@@ -765,6 +766,9 @@ class ConnReply:
     async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
         sink: Sink
         conn = self.conn
+        # Read at each write (the client may be gone by then): a getter with
+        # no Python frame of its own, as it runs per event.
+        transport = functools.partial(getattr, conn, "transport")
         headers.popall("Content-Length", None)
         headers.popall("Transfer-Encoding", None)
         if bodiless(status) or self.head_only:
@@ -775,10 +779,10 @@ class ConnReply:
         elif self.http10:  # no chunked coding: the body ends with the connection
             self.keep_alive, self._raw = False, True
             self.conn.write(self._head(status, headers, "\r\n"))
-            sink = ChunkSink(lambda: conn.transport, conn.drain, chunked=False)
+            sink = ChunkSink(transport, conn.drain, chunked=False)
         else:
             self.conn.write(self._head(status, headers, "Transfer-Encoding: chunked\r\n\r\n"))
-            sink = ChunkSink(lambda: conn.transport, conn.drain)
+            sink = ChunkSink(transport, conn.drain)
         if self.entry is not None:
             self.entry.stream = self  # ended well if the drain cuts it (drain.end_cut)
         return sink
