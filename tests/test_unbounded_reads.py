@@ -140,6 +140,9 @@ class _RawRank:
     def __init__(self) -> None:
         self.lied = False
         self.asked_after_the_lie = 0  # requests sent on the connection that lied
+        self.connections = 0  # accepted
+        self.answered_after_the_lie = 0  # on other connections
+        self.dropped_the_liar = False  # the proxy closed the connection that lied
 
     def _reply(self, path: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
         """The answer to a request, and whether it is the lie."""
@@ -150,6 +153,7 @@ class _RawRank:
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         lying = False
+        self.connections += 1
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError), _closing(writer):
             while True:
                 raw = await read_request(reader)
@@ -159,10 +163,13 @@ class _RawRank:
                     self.asked_after_the_lie += 1
                     writer.write(self._after_the_lie())
                 else:
+                    lied = self.lied
                     answer, lying = self._reply(path, body)
-                    self.lied = self.lied or lying
+                    self.lied = lied or lying
+                    self.answered_after_the_lie += lied
                     writer.write(answer)
                 await writer.drain()
+        self.dropped_the_liar |= lying
 
 
 class _LyingRank(_RawRank):
@@ -344,5 +351,64 @@ async def test_an_answer_the_proxy_rejects_leaves_no_bytes_for_the_next_request(
                 answer = await r.json()
         assert answer["choices"][0]["text"] == json.loads(_whole("b", 8))["choices"][0]["text"]
         assert rank.asked_after_the_lie == 0
+    finally:
+        server.close()
+
+
+class _SideLiar(_RawRank):
+    """A rank whose first ``path`` answer the proxy reads for itself (a status
+    poll, after the probe's; a model list) lies, as ``how`` says: a 200 whose
+    Content-Length cuts its JSON, or a 503 whose text body (no JSON) is cut
+    so. The rest, a healthy status, is what it sends next on that
+    connection, whatever is asked there: pooled, it would be the answer to
+    the next poll (or model list) on it."""
+
+    def __init__(self, path: bytes, how: str) -> None:
+        super().__init__()
+        self.path, self.how = path, how
+        self.asked: dict[bytes, int] = {}
+
+    def _reply(self, path: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
+        n = self.asked[path] = self.asked.get(path, 0) + 1
+        side = _side(path, body)
+        # The first status answer is the probe's: it tells the API, then the poll is asked.
+        if self.lied or path != self.path or n != (2 if path == _STATUS_PATH else 1):
+            return _answer(b"application/json", side), False
+        if self.how == "cut":
+            return _answer(b"application/json", side[: len(side) // 2]), True
+        page = b"<html><body>busy, try again later</body></html>"
+        cut = page[: len(page) // 2]
+        head = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/html\r\n"
+        return head + b"Content-Length: %d\r\n\r\n" % len(cut) + cut, True
+
+    def _after_the_lie(self) -> bytes:
+        return _answer(b"application/json", _STATUS)
+
+
+_STATUS_PATH = b"/fault_tolerance/status"  # vllm-0.32's, which _side answers
+
+
+@pytest.mark.parametrize("how", ["cut", "503"])
+@pytest.mark.parametrize("path", [_STATUS_PATH, b"/v1/models"], ids=["poll", "models"])
+async def test_a_side_answer_that_is_no_json_leaves_no_bytes_for_the_next_request(
+    proxy, path: bytes, how: str
+) -> None:
+    """A status poll's or a model list's answer read to its framing's end
+    but not JSON (its Content-Length cut it, or an error page's) is never
+    pooled: the next request goes on a new connection, and the rest the rank
+    sends on the one that lied is never read as its answer."""
+    rank = _SideLiar(path, how)
+    server = await asyncio.start_server(rank.serve, "127.0.0.1", 0)
+    entry = FakeRank(name="r0")
+    entry.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        await proxy(settings_for([entry]))
+        # Polls every 0.25 s, model lists every 0.5 s while none is learnt.
+        asked_again = await until(
+            lambda: rank.asked_after_the_lie > 0 or rank.answered_after_the_lie >= 4, 3.0
+        )
+        assert rank.lied and asked_again
+        assert rank.asked_after_the_lie == 0
+        assert rank.dropped_the_liar and rank.connections >= 2
     finally:
         server.close()

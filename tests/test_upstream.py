@@ -200,6 +200,32 @@ async def test_an_answer_that_is_not_json_is_bad_json_with_its_status(rank, upst
     assert e.value.status == 200 and isinstance(e.value, RankError)
 
 
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "text"])
+async def test_an_answer_not_json_is_pooled_only_when_read_as_text(
+    rank, upstream, as_json: bool
+) -> None:
+    """Read for its JSON, a text answer is judged no answer and its
+    connection closed (the next request opens another); read as text (a
+    /health or /metrics answer), its framing alone decides, as before."""
+    conns = 0
+    serve = one_answer(answer(b"OK", "503 Service Unavailable"))
+
+    async def counted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns
+        conns += 1
+        await serve(reader, writer)
+
+    url = await rank(counted)
+    for _ in range(2):
+        got = await upstream.get(url, "/health", bound(), json=as_json)
+        assert got.status == 503 and got.body == b"OK"
+    if as_json:
+        with pytest.raises(BadJSON) as e:
+            got.json()
+        assert e.value.status == 503
+    assert conns == (2 if as_json else 1)
+
+
 async def test_a_connection_reset_mid_answer_is_a_rank_connection_error(rank, upstream) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)

@@ -152,8 +152,9 @@ class Poller:
             return RankStatus.UNKNOWN, {"reason": "engine API not known yet"}
         if engine.status_path is None:
             # Its body is read too (and bounded): an answer cut short or too
-            # long is a failed poll, whatever its status said.
-            answer = await self.upstream.get(rank.url, "/health", self.bound)
+            # long is a failed poll, whatever its status said. Not read for
+            # JSON: an engine's is empty, another server's may be text.
+            answer = await self.upstream.get(rank.url, "/health", self.bound, json=False)
             if rank.engine_healthy and answer.status == 200:
                 # Its status is vllm:engine_healthy's (proxy.control.healthmetric):
                 # /health stays 200 while an engine is faulted.

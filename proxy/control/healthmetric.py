@@ -106,7 +106,8 @@ class Scraper:
     async def scrape_once(self, rank: Rank) -> None:
         sent_at = time.monotonic()  # an answer is at least as fresh as this
         try:
-            answer = await self.upstream.get(rank.url, "/metrics", self.bound)
+            # Prometheus' text format, not JSON: read as bytes (samples judges it).
+            answer = await self.upstream.get(rank.url, "/metrics", self.bound, json=False)
             if answer.status != 200:
                 raise Junk(f"HTTP {answer.status}")
             found = samples(answer.body)

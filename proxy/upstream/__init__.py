@@ -5,7 +5,8 @@ size bounds and keep-alive: the relay's client requests and their
 continuations (:attr:`Upstream.relay`), and the proxy's own side requests
 (status polls, ``/health``, model lists, recovery calls) through
 :meth:`Upstream.get` and :meth:`Upstream.post_json`, each read whole within
-its :class:`~proxy.upstream.bounded.Bound` in size, time and JSON depth. Every
+its :class:`~proxy.upstream.bounded.Bound` in size, time and JSON depth (a
+connection is pooled after an answer read for its JSON only when it is). Every
 transport failure is a :class:`~proxy.core.errors.RankError`. Upstream only
 sends and reads; which rank to use is the balancer's call.
 """
@@ -85,9 +86,11 @@ class Upstream:
             CIMultiDict({**get, "Content-Type": "application/json"})
         )
 
-    async def get(self, rank_url: str, path: str, bound: Bound) -> Answer:
-        """``GET path`` of the rank, its answer read whole within ``bound``."""
-        return await fetch(self.side, "GET", rank_url + path, bound, b"", self._get_headers)
+    async def get(self, rank_url: str, path: str, bound: Bound, *, json: bool = True) -> Answer:
+        """``GET path`` of the rank, its answer read whole within ``bound``;
+        ``json``: read for its JSON, as :func:`~proxy.upstream.bounded.fetch` says."""
+        url, headers = rank_url + path, self._get_headers
+        return await fetch(self.side, "GET", url, bound, b"", headers, json=json)
 
     async def post_json(self, rank_url: str, path: str, body: Any, bound: Bound) -> Answer:
         """``POST path`` of the rank with ``body`` as JSON, as :meth:`get`."""

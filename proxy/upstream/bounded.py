@@ -12,6 +12,14 @@ closed, not pooled. Only that call fails; it is logged (at most once a
 minute for each peer and address) and counted in
 ``ftproxy_peer_answers_too_large_total{peer}``.
 
+An answer read for its JSON (every caller's but those of /health and
+/metrics) is parsed once, as it is read (:func:`fetch`): one that is not JSON
+is still returned (:meth:`Answer.json` raises), but its connection is closed,
+never pooled. A peer whose Content-Length lied has the rest still to send,
+and pooled, those bytes would be the next request's answer on it: a
+connection is pooled for an answer judged whole and sane, never for its
+framing alone.
+
 Errors: the RankError tree (proxy.core.errors), :class:`~proxy.core.errors.TooLarge`
 over the bound, :class:`~proxy.core.errors.RankTimeout` past a call's deadline,
 :class:`~proxy.core.errors.BadJSON` for a body that is not JSON
@@ -100,19 +108,41 @@ class Bound:
         return TooLarge(f"{self.peer} answer over {self.max_bytes} bytes ({seen})")
 
 
+_UNJUDGED: Any = object()  # an answer's body not parsed yet (read as text, or made by hand)
+
+
 @dataclass(frozen=True)
 class Answer:
     status: int
     body: bytes
+    # The body's JSON as fetch parsed it; why it is not JSON, when it is not.
+    parsed: Any = field(default=_UNJUDGED, repr=False, compare=False)
+    not_json: str | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def judged(cls, status: int, body: bytes) -> Answer:
+        """The answer with its body parsed as JSON, once; :attr:`sane` says
+        whether it is JSON."""
+        try:
+            return cls(status, body, parse_json(body))
+        except BadJSON as e:
+            return cls(status, body, None, str(e))
+
+    @property
+    def sane(self) -> bool:
+        """Not judged to be other than JSON: its connection may be pooled."""
+        return self.not_json is None
 
     def json(self) -> Any:
         """The body as JSON; :class:`~proxy.core.errors.BadJSON`, with this
         answer's status, when it is not."""
-        try:
-            return parse_json(self.body)
-        except BadJSON as e:
-            e.status = self.status
-            raise
+        if self.parsed is _UNJUDGED:
+            return Answer.judged(self.status, self.body).json()
+        if self.not_json is not None:
+            bad = BadJSON(self.not_json)
+            bad.status = self.status
+            raise bad
+        return self.parsed
 
 
 async def fetch(
@@ -122,19 +152,31 @@ async def fetch(
     bound: Bound,
     body: bytes = b"",
     headers: MultiMapping[str] = _IDENTITY,
+    *,
+    json: bool = True,
 ) -> Answer:
     """One request, its answer read whole within ``bound.within_s`` from
     connect to the last byte; a failure after the head carries its status
-    (:attr:`~proxy.core.errors.RankError.status`)."""
+    (:attr:`~proxy.core.errors.RankError.status`). With ``json`` its body is
+    parsed here (:meth:`Answer.judged`), whatever its status, and its
+    connection pooled only when that body is JSON; without, the caller reads
+    the bytes itself (a text body), and its framing alone decides."""
     status: int | None = None
     try:
         async with asyncio.timeout(bound.within_s):
             resp = await send(client, method, url, headers, body)
+            sane = False
             try:
                 status = resp.status
-                return Answer(resp.status, await read_body(resp, bound, url))
+                raw = await read_body(resp, bound, url)
+                answer = Answer.judged(status, raw) if json else Answer(status, raw)
+                sane = answer.sane
+                return answer
             finally:
-                resp.close()  # pooled when read to its end, else closed
+                if sane:
+                    resp.close()  # pooled when read to its end, else closed
+                else:
+                    resp.discard()  # closed, whatever its framing says
     except RankError as e:
         e.status = status
         raise
