@@ -18,6 +18,7 @@ import pytest
 from bench.backend import Conn, _chunk, _head
 from bench.validate import Ask, check_stream, sse_payloads
 from proxy.core.settings import Settings
+from proxy.dataplane.continuation import Book
 from proxy.ingress.state import LIMIT, METRICS, RELAY, TABLE
 from proxy.server import Running
 from proxy.upstream.client import RankClient
@@ -114,6 +115,75 @@ async def test_an_event_without_end_is_bounded_and_ends_the_stream_with_an_error
     err = orjson.loads(events[-2])["error"]
     assert err["code"] == "upstream_event_too_large" and "MiB" in err["message"]
     assert flood.sent < 32 << 20, "the proxy kept reading an event that never ends"
+
+
+def _token_event(i: int, spaced: bool) -> bytes:
+    """Generated token ``i`` as vLLM streams it (the first with the prompt's
+    ids). Compact, it is a common chunk, taken on bytes (compiled where
+    built); spaced, it is parsed (:meth:`Book.on_original`)."""
+    choice: dict[str, Any] = {"index": 0, "text": "x", "token_ids": [1000 + i]}
+    if i == 0:
+        choice["prompt_token_ids"] = [1, 2, 3]
+    choice["finish_reason"] = None
+    chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [choice]}  # fmt: skip
+    data = orjson.dumps(chunk)
+    return b"data: " + (data.replace(b'":', b'": ') if spaced else data) + b"\n\n"
+
+
+@pytest.mark.parametrize("spaced", [False, True], ids=["on-bytes", "parsed"])
+@pytest.mark.parametrize("ids", [True, False], ids=["ids", "no-ids"])
+async def test_a_rank_streaming_past_max_tokens_is_cut_with_an_error(
+    rank: int, proxy: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, ids: bool, spaced: bool
+) -> None:
+    """vLLM never sends more tokens than max_tokens: a rank that does is not
+    continued or followed, its stream ends with an error, and the book never
+    holds more than the request allows."""
+    books: list[Book] = []
+    made = Book.for_request
+
+    def spy(kind: str, body: dict[str, Any]) -> Book:
+        books.append(made(kind, body))
+        return books[-1]
+
+    monkeypatch.setattr(Book, "for_request", staticmethod(spy))
+    sent = 0
+
+    def lying(conn: Conn, body: dict[str, Any]) -> None:
+        conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(_token_event(0, spaced)))
+
+        async def on_and_on() -> None:
+            nonlocal sent
+            sent = 1
+            await asyncio.sleep(0.05)  # the first token in a read of its own: the rest are common
+            while not conn.closed and sent < 4000:  # reads of 32 tokens each
+                conn.write(_chunk(b"".join(_token_event(sent + k, spaced) for k in range(32))))
+                sent += 32
+                await asyncio.sleep(0.001)
+            end = EVENT.replace(b'"finish_reason":null', b'"finish_reason":"length"')
+            conn.write(_chunk(end + b"data: [DONE]\n\n") + _chunk(b""))
+
+        asyncio.get_running_loop().create_task(on_and_on())
+
+    _Rank.misbehave = lying
+    running = await _proxy(proxy, rank)
+    async with aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{running.port}/v1/completions"
+        ask = {**BODY, "return_token_ids": ids}
+        async with http.post(url, json=ask, timeout=aiohttp.ClientTimeout(20)) as r:
+            assert r.status == 200
+            events = sse_payloads(await r.read())
+    assert events[-1] == b"[DONE]"
+    err = orjson.loads(events[-2])["error"]
+    assert err["code"] == "upstream_too_many_tokens", err
+    assert "12" in err["message"], err
+    tokens = [e for e in events[:-2] if orjson.loads(e).get("choices")]
+    assert len(tokens) <= 12, "the client got tokens past its max_tokens"
+    assert ids or not any(b'"token_ids":[' in e for e in tokens)
+    assert books and all(len(b.generated) <= 12 for b in books), [len(b.generated) for b in books]
+    assert sent < 4000, "the proxy kept reading a rank past the answer's budget"
+    client: RankClient = running.app[RELAY].client
+    assert await until(lambda: not client._all, 2.0), "the lying upstream was left open"
 
 
 async def test_a_compressed_answer_is_never_passed_on_mislabeled(

@@ -5,7 +5,16 @@ records what a stream sent and builds and splices the continuation. Pure
 logic, no I/O: the hold-open machinery (:mod:`proxy.dataplane.hold`) does that.
 """
 
-from proxy.dataplane.continuation.book import ABORT, CHAT, COMPLETION, Book, Emit, hide_ids, text_of
+from proxy.dataplane.continuation.book import (
+    ABORT,
+    CHAT,
+    COMPLETION,
+    Book,
+    Emit,
+    Overrun,
+    hide_ids,
+    text_of,
+)
 from proxy.dataplane.continuation.fields import Refusal, as_bool, refusal
 from proxy.dataplane.continuation.splice import SpliceFailed
 
@@ -15,6 +24,7 @@ __all__ = [
     "COMPLETION",
     "Book",
     "Emit",
+    "Overrun",
     "Refusal",
     "SpliceFailed",
     "as_bool",

@@ -61,6 +61,21 @@ COMPLETION = "completion"
 
 S = TypeVar("S", list[int], str)  # what a continuation says again: ids or text
 
+# The token ids one choice may carry when neither the request nor a known
+# context window bounds it (chat without a budget, before a fault has asked
+# a rank for its window): past the windows vLLM serves (10M tokens), so an
+# honest answer never reaches it; it only keeps a lying rank's stream bounded.
+WINDOWLESS_CAP = 1 << 24
+
+
+class Overrun(Exception):
+    """The rank sent more token ids than the request allows: vLLM never does
+    (a choice ends at its budget, ``FinishReason.LENGTH``), so the rank is
+    broken or lying, and its stream is neither followed nor continued."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(f"more token ids than the request allows ({cap})")
+
 
 def _stops(body: dict[str, Any]) -> list[str]:
     stop = body.get("stop")
@@ -117,6 +132,9 @@ class Book:
     restarted: bool = False  # the upstream now is the request itself, sent again
     reasoning: bool = False  # a reasoning parser sent reasoning text ...
     answering: bool = False  # ... and then answer text (the reasoning has ended)
+    # The most ids vLLM can send for the request, all choices together
+    # (``generated`` holds them all): past it, :class:`Overrun`.
+    cap: int = WINDOWLESS_CAP
 
     @classmethod
     def for_request(cls, kind: str, body: dict[str, Any]) -> Book:
@@ -128,7 +146,7 @@ class Book:
         n = max(as_int(body.get("n"), 1), 1)
         # vLLM streams n choices for each prompt of a batch.
         prompts = prompt_count(body) if kind == COMPLETION else 1
-        return cls(
+        book = cls(
             kind=kind,
             body=body,
             wants_ids=as_bool(body.get("return_token_ids")),
@@ -138,6 +156,24 @@ class Book:
             prompts=prompts,
             continuous=continuous,
         )
+        book.cap = book._cap(None)
+        return book
+
+    def _cap(self, max_model_len: int | None) -> int:
+        """The most ids vLLM can send for this request: each choice's budget
+        (completions' ``echo`` with ``max_tokens`` 0 still generates one),
+        the context window's rest where the request has none and the window
+        is known, else :data:`WINDOWLESS_CAP`."""
+        limit = self._limit()
+        if limit is None and max_model_len is not None and self.prompt_ids is not None:
+            limit = max_model_len - len(self.prompt_ids)
+        return (WINDOWLESS_CAP if limit is None else max(limit, 1)) * self.n_choices
+
+    def _room(self, ids: int, records: int) -> None:
+        """Refuse ids past :attr:`cap` before they are kept, and records past
+        two per id (vLLM sends a chunk with text only for what it held back)."""
+        if len(self.generated) + ids > self.cap or len(self.records) + records > 2 * self.cap:
+            raise Overrun(self.cap)
 
     # -- the original stream ------------------------------------------------
     def on_original_bytes(self, data: bytes) -> Emit | None:
@@ -172,6 +208,7 @@ class Book:
     ) -> None:
         """Common chunks taken on bytes (``SSEParser.relay``): as
         :meth:`_count` for each."""
+        self._room(len(ids), len(records))
         self.generated.extend(ids)
         self.records.extend(records)
         if suspects and not self.stops:
@@ -262,8 +299,10 @@ class Book:
             self.finish_reason = choice["finish_reason"]
 
     def _count(self, ids: list[int], text: str | bytes, empty: bool | None = None) -> None:
+        kept = bool(ids or text)
+        self._room(len(ids), kept)
         self.generated.extend(ids)
-        if ids or text:
+        if kept:
             self.records.append((len(self.generated), text))
         if empty is None:
             empty = not text
@@ -371,6 +410,7 @@ class Book:
             return ("/v1/chat/completions" if self.kind == CHAT else "/v1/completions"), body
         assert self.prompt_ids is not None
         limit = self._budget(max_model_len)
+        self.cap = self._cap(max_model_len)  # the window, once known, bounds chat too
         await self._rollback(decode)
         body = carried(self.body)
         body.update(

@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 
 from proxy.core.errors import ClientGone
-from proxy.dataplane.continuation import Emit, SpliceFailed
+from proxy.dataplane.continuation import Emit, Overrun, SpliceFailed
 from proxy.dataplane.hold.hold import Hold, StreamFailed
 from proxy.dataplane.sink import Collector, Sink
 from proxy.dataplane.sse import DONE, KEEPALIVE, EventParser, EventTooLarge, event, new_parser
@@ -150,14 +150,16 @@ class Pump:
                     book.counted(ids, records, suspects)
             else:
                 events = parser.feed(chunk)
+            if events or out:  # bytes that never make an event (a drip) are a stall, not progress
+                self.flow.heard()
+            for data in events:
+                outcome = self._on_event(data, handle, original, out)
+                if outcome is not None:
+                    break
         except EventTooLarge as e:  # memory stays bounded: the rank is not sending SSE
             raise StreamFailed(f"the rank sent {e}", "upstream_event_too_large") from e
-        if events or out:  # bytes that never make an event (a drip) are a stall, not progress
-            self.flow.heard()
-        for data in events:
-            outcome = self._on_event(data, handle, original, out)
-            if outcome is not None:
-                break
+        except Overrun as e:  # the same: vLLM never sends past the budget
+            raise StreamFailed(f"the rank sent {e}", "upstream_too_many_tokens") from e
         # A held stream resumes when the upstream sends on; vLLM's
         # abort chunk is no resume: the hold goes on, one hold.
         if self.hold.since is not None and (outcome == PumpEnd.FINISHED or (out and not outcome)):
