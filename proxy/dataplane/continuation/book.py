@@ -66,6 +66,9 @@ S = TypeVar("S", list[int], str)  # what a continuation says again: ids or text
 # a rank for its window): past the windows vLLM serves (10M tokens), so an
 # honest answer never reaches it; it only keeps a lying rank's stream bounded.
 WINDOWLESS_CAP = 1 << 24
+# Chunks with text and no ids past two per id: a small budget's answer may
+# still end with a few (held-back text, a tool call's closing arguments).
+RECORDS_SLACK = 64
 
 
 class Overrun(Exception):
@@ -171,8 +174,10 @@ class Book:
 
     def _room(self, ids: int, records: int) -> None:
         """Refuse ids past :attr:`cap` before they are kept, and records past
-        two per id (vLLM sends a chunk with text only for what it held back)."""
-        if len(self.generated) + ids > self.cap or len(self.records) + records > 2 * self.cap:
+        two per id and :data:`RECORDS_SLACK` (vLLM sends a chunk with text only
+        for what it held back, a tool parser a few to end its calls)."""
+        most = 2 * self.cap + RECORDS_SLACK
+        if len(self.generated) + ids > self.cap or len(self.records) + records > most:
             raise Overrun(self.cap)
 
     # -- the original stream ------------------------------------------------
