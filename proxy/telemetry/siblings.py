@@ -97,9 +97,16 @@ def from_metrics(metrics: Iterable[Metric]) -> Families:
 
 def dumps(fams: Families) -> bytes:
     return orjson.dumps(
-        [[f.name, f.kind, f.doc, [[s, list(map(list, lb)), v] for (s, lb), v in f.samples.items()]]
-         for f in fams.values()]
-    )  # fmt: skip
+        [
+            [
+                f.name,
+                f.kind,
+                f.doc,
+                [[s, list(map(list, lb)), v] for (s, lb), v in f.samples.items()],
+            ]
+            for f in fams.values()
+        ]
+    )
 
 
 def loads(raw: bytes) -> Families:
@@ -270,8 +277,9 @@ async def read_sibling(path: Path, timeout_s: float = SIBLING_TIMEOUT_S) -> Fami
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > MAX_BYTES:
-                    log.warning("metrics: worker %s sent over %d bytes; skipped", path.stem,
-                                MAX_BYTES)  # fmt: skip
+                    log.warning(
+                        "metrics: worker %s sent over %d bytes; skipped", path.stem, MAX_BYTES
+                    )
                     return None
         return loads(b"".join(chunks))
     except (FileNotFoundError, ConnectionRefusedError):
