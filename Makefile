@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.ftproxy-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py proxy/dataplane/_events.c
+$(STAMP): pyproject.toml setup.py proxy/dataplane/_events.c proxy/upstream/_framing.c
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[engine,test,otel]'

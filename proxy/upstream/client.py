@@ -56,6 +56,15 @@ _PARSE_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)
 # What reading an answer's body may raise: the answer is lost.
 BODY_ERRORS = (RankConnectionError, ReadTimeout, BadResponse)
 
+# The compiled decoder of a chunked body's data chunks (proxy/upstream/_framing.c),
+# where it was built; without it llhttp reads every body, as it always may.
+try:
+    from proxy.upstream._framing import Dechunker
+except ImportError:  # built without a C compiler
+    DECHUNKER: type[Dechunker] | None = None
+else:
+    DECHUNKER = Dechunker
+
 
 _Key = tuple[str, int, bool]  # host, port, TLS
 
@@ -87,6 +96,11 @@ class _Conn(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         # Body parts parsed from one read, handed on together (see _flush).
         self.parts: list[bytes] = []
+        # A chunked body's decoder, from its first byte (see _feed_head).
+        self.chunks: Dechunker | None = None
+        self.tail = b""  # the head's last bytes so far: a blank line split across reads
+        self.dechunk = False  # the final head asks for one (see on_headers_complete)
+        self.chunk_seen = False  # llhttp read a chunk's size line of this answer
 
     # -- asyncio.Protocol ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -101,9 +115,26 @@ class _Conn(asyncio.Protocol):
         if not self.got_bytes:
             self.got_bytes, self.first_read = True, now
         self.last_read = now
+        chunks = self.chunks
+        if chunks is not None:
+            # A chunked body's plain data chunks, decoded in one call (see
+            # _feed_head): a stream's every read. Its framing between two
+            # data bytes is a size line of at most 15 digits, so no bound on
+            # it is needed here (``dry``) until llhttp reads again.
+            body, rest = chunks.feed(data)
+            if body:
+                resp._body(body)
+            if rest is None:
+                return
+            self.chunks, data = None, rest  # from a chunk boundary on: llhttp's
         had_head, self.body_read = bool(resp.status), False
         try:
-            self.parser.feed_data(data)
+            if chunks is not None and chunks.broken:  # what came before it was handed on
+                raise httptools.HttpParserError("a chunk's data is not followed by CRLF")
+            if had_head:
+                self.parser.feed_data(data)
+            else:
+                self._feed_head(resp, data)
         except _PARSE_ERRORS as e:
             self._flush()
             # Bytes past a complete answer (a second answer nobody asked for,
@@ -118,7 +149,8 @@ class _Conn(asyncio.Protocol):
                 resp._fail(BadResponse(f"the rank's answer is {what}"))
             self.close()
             return
-        self._flush()
+        if self.parts:
+            self._flush()
         if not resp.status:
             self.head_bytes += len(data)
             if self.head_bytes > MAX_HEAD:
@@ -130,6 +162,32 @@ class _Conn(asyncio.Protocol):
                 what = f"over {MAX_HEAD} bytes without a body byte (chunk framing, trailers)"
                 resp._fail(BadResponse(f"the rank sent {what}"))
                 self.close()
+
+    def _feed_head(self, resp: RankResponse, data: bytes) -> None:
+        """A read while the head is coming: llhttp is fed up to each blank
+        line, so that where the final head ends the body's first byte is
+        known, and a chunked body is the decoder's from there."""
+        start = 0
+        end = _blank_line(self.tail, data)
+        while end >= 0:
+            self.parser.feed_data(data[start:end])
+            start = end
+            if resp.status or self.response is not resp:
+                break
+            end = data.find(b"\r\n\r\n", start)
+            end = end + 4 if end >= 0 else -1
+        rest = data[start:] if start else data
+        if not resp.status:  # what a blank line split across reads would begin with
+            self.tail = rest[-3:] if start else (self.tail + data)[-3:]
+        elif self.dechunk and not self.chunk_seen and not resp.complete and DECHUNKER:
+            # llhttp stopped at the head's end with nothing of the body read
+            # (a size line, whatever it held, would have been reported).
+            self.chunks = DECHUNKER()
+            if rest:
+                self.data_received(rest)  # the body's first bytes: the decoder's
+            return
+        if rest:
+            self.parser.feed_data(rest)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -173,6 +231,7 @@ class _Conn(asyncio.Protocol):
             return
         self.in_body = True
         resp._headers_in(status, self.headers, self.parser.should_keep_alive())
+        self.dechunk, self.chunk_seen = _plainly_chunked(resp), False
         self.headers = []
         if self.head_only:
             self._head_answered(resp)
@@ -185,6 +244,9 @@ class _Conn(asyncio.Protocol):
         parser of its own (send)."""
         resp._finish()
         self.response = None
+
+    def on_chunk_header(self) -> None:
+        self.chunk_seen = True
 
     def on_body(self, body: bytes) -> None:
         self.parts.append(body)
@@ -220,6 +282,7 @@ class _Conn(asyncio.Protocol):
             self.parser = httptools.HttpResponseParser(self)
         self.head_only = head
         self.response, self.got_bytes, self.head_bytes, self.dry = resp, False, 0, 0
+        self.chunks, self.tail, self.dechunk = None, b"", False
         # first_read too: a check before this answer's first byte reads no earlier answer's.
         self.last_read = self.first_read = self.pool.loop.time()
         if self.read_handle is None:  # one armed for an earlier answer judges this one too
@@ -689,6 +752,26 @@ class RankClient:
             conn.close()
         self._idle_conns.clear()
         await asyncio.sleep(0)  # let the transports close
+
+
+def _blank_line(tail: bytes, data: bytes) -> int:
+    """Where the first blank line (CRLF CRLF) ends in ``data``, read after
+    ``tail`` (the bytes before it, at most 3); -1 if none does."""
+    if tail and (k := (tail + data[:3]).find(b"\r\n\r\n")) >= 0:
+        return k + 4 - len(tail)
+    k = data.find(b"\r\n\r\n")
+    return k + 4 if k >= 0 else -1
+
+
+def _plainly_chunked(resp: RankResponse) -> bool:
+    """A body the decoder may read: one Transfer-Encoding field, ``chunked``
+    alone, no Content-Length, a status with a body (llhttp decides the rest:
+    any other framing it reads itself)."""
+    named = resp._named
+    if named.get(b"transfer-encoding") != b"chunked" or b"content-length" in named:
+        return False
+    fields = sum(1 for n, _ in resp._raw_headers if n.lower() == b"transfer-encoding")
+    return fields == 1 and resp.status >= 200 and resp.status not in (204, 304)
 
 
 def _frames_a_body(status: int, raw: list[tuple[bytes, bytes]]) -> bool:

@@ -1,0 +1,215 @@
+/* A streamed answer's chunked body, decoded without a Python call per chunk.
+ *
+ * llhttp (httptools) reads every answer's head. A rank streams each SSE
+ * event as one HTTP chunk; once a chunked answer's head is in, this decoder
+ * reads its body, one call per read (proxy.upstream.client._Conn). It takes
+ * only the plain form of a data chunk, `HEX CRLF data CRLF`. At a chunk
+ * boundary anything else (the last chunk, a chunk extension, whitespace, a
+ * size of more than 15 digits) is handed back, from that boundary on, to
+ * llhttp: llhttp's state at every chunk boundary is the one it has at the
+ * body's start, so it reads the rest of the answer (the last chunk, trailer
+ * fields, its own errors) as it would have read the whole. The one error
+ * found here is data not followed by CRLF (llhttp refuses it too): the data
+ * before it is handed on all the same, as llhttp hands on what it read
+ * before an error, and `broken` says so.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+/* A size line's digits, at most: 15 hex digits are 60 bits, no overflow. */
+#define MAX_DIGITS 15
+
+typedef enum {
+    SIZE,    /* at a boundary, or within a size line's digits */
+    SIZE_LF, /* the size line's CR came */
+    DATA,    /* `left` data bytes still to come */
+    DATA_CR, /* the data's CRLF is due */
+    DATA_LF,
+    HANDED,  /* llhttp reads the rest */
+    BROKEN,  /* data not followed by CRLF */
+} State;
+
+typedef struct {
+    PyObject_HEAD
+    State state;
+    char line[MAX_DIGITS + 1]; /* the size line so far: handed back with the rest */
+    Py_ssize_t line_len;
+    Py_ssize_t left;
+} Dechunker;
+
+static int
+hex_value(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* (body, rest): the data of this read's chunks, and None, or the bytes from
+ * the boundary where llhttp takes over (the size line so far, then the read's
+ * rest), or b"" once broken. */
+static PyObject *
+result(PyObject *body, Dechunker *self, const char *rest, Py_ssize_t n)
+{
+    PyObject *tail = Py_None;
+    Py_INCREF(tail);
+    if (self->state == BROKEN) {
+        Py_DECREF(tail);
+        tail = PyBytes_FromStringAndSize(NULL, 0);
+        if (tail == NULL) {
+            Py_DECREF(body);
+            return NULL;
+        }
+    } else if (rest != NULL) {
+        Py_DECREF(tail);
+        tail = PyBytes_FromStringAndSize(NULL, self->line_len + n);
+        if (tail == NULL) {
+            Py_DECREF(body);
+            return NULL;
+        }
+        memcpy(PyBytes_AS_STRING(tail), self->line, (size_t)self->line_len);
+        if (n > 0)
+            memcpy(PyBytes_AS_STRING(tail) + self->line_len, rest, (size_t)n);
+        self->state = HANDED;
+        self->line_len = 0;
+    }
+    PyObject *pair = PyTuple_Pack(2, body, tail);
+    Py_DECREF(body);
+    Py_DECREF(tail);
+    return pair;
+}
+
+static PyObject *
+Dechunker_feed(Dechunker *self, PyObject *arg)
+{
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "feed() takes bytes");
+        return NULL;
+    }
+    if (self->state == HANDED || self->state == BROKEN) {
+        PyErr_SetString(PyExc_RuntimeError, "the body was handed to llhttp, or is broken");
+        return NULL;
+    }
+    const char *p = PyBytes_AS_STRING(arg);
+    Py_ssize_t n = PyBytes_GET_SIZE(arg), i = 0, w = 0;
+    /* The data is never longer than the read: one buffer, cut to size. */
+    PyObject *body = PyBytes_FromStringAndSize(NULL, n);
+    if (body == NULL)
+        return NULL;
+    char *out = PyBytes_AS_STRING(body);
+    const char *handoff = NULL;
+    while (i < n && handoff == NULL && self->state != BROKEN) {
+        char c = p[i];
+        int v;
+        switch (self->state) {
+        case SIZE:
+            if ((v = hex_value(c)) >= 0 && self->line_len < MAX_DIGITS) {
+                self->line[self->line_len++] = c;
+                self->left = self->left * 16 + v;
+                i++;
+            } else if (c == '\r' && self->line_len > 0) {
+                self->line[self->line_len++] = c;
+                self->state = SIZE_LF;
+                i++;
+            } else {
+                handoff = p + i;
+            }
+            break;
+        case SIZE_LF:
+            if (c != '\n' || self->left == 0) { /* the last chunk, or no plain line */
+                handoff = p + i;
+                break;
+            }
+            self->line_len = 0;
+            self->state = DATA;
+            i++;
+            break;
+        case DATA: {
+            Py_ssize_t take = n - i < self->left ? n - i : self->left;
+            memcpy(out + w, p + i, (size_t)take);
+            w += take;
+            i += take;
+            self->left -= take;
+            if (self->left == 0)
+                self->state = DATA_CR;
+            break;
+        }
+        case DATA_CR:
+        case DATA_LF:
+            if (c != (self->state == DATA_CR ? '\r' : '\n')) {
+                self->state = BROKEN;
+                break;
+            }
+            self->state = self->state == DATA_CR ? DATA_LF : SIZE;
+            i++;
+            break;
+        case HANDED:
+        case BROKEN:
+            break;
+        }
+    }
+    if (w < n && _PyBytes_Resize(&body, w) < 0)
+        return NULL;
+    return result(body, self, handoff, handoff == NULL ? 0 : n - (handoff - p));
+}
+
+static PyObject *
+Dechunker_at_boundary(Dechunker *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->state == SIZE && self->line_len == 0);
+}
+
+static PyMethodDef Dechunker_methods[] = {
+    {"feed", (PyCFunction)Dechunker_feed, METH_O,
+     "A read of the body in: (its chunks' data, None or the rest for llhttp)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyObject *
+Dechunker_broken(Dechunker *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->state == BROKEN);
+}
+
+static PyGetSetDef Dechunker_getset[] = {
+    {"at_boundary", (getter)Dechunker_at_boundary, NULL, "Between two chunks.", NULL},
+    {"broken", (getter)Dechunker_broken, NULL, "A chunk's data was not followed by CRLF.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject DechunkerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.upstream._framing.Dechunker",
+    .tp_basicsize = sizeof(Dechunker),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A chunked body's plain data chunks, decoded; the rest handed to llhttp.",
+    .tp_new = PyType_GenericNew,
+    .tp_methods = Dechunker_methods,
+    .tp_getset = Dechunker_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_framing", "A streamed answer's chunked body, decoded.", -1,
+    NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__framing(void)
+{
+    if (PyType_Ready(&DechunkerType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&DechunkerType);
+    if (PyModule_AddObject(m, "Dechunker", (PyObject *)&DechunkerType) < 0) {
+        Py_DECREF(&DechunkerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
