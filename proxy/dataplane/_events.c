@@ -7,6 +7,11 @@
  * The book's state stays with Python: relay() returns what to add to it and
  * the events, in order, that Python must handle itself.
  *
+ * Stream: a pump's data callback (proxy/dataplane/hold/pump.py, whose Python
+ * path is its reference) that takes a read made only of common chunks
+ * without a Python frame: relayed, counted into the book, the upstream
+ * heard, written to the client as one HTTP chunk.
+ *
  * And one check of a whole (non-streamed) answer: is_object(), whether its
  * body is a JSON object as orjson reads one (the reference:
  * proxy.dataplane.generation), without building it.
@@ -14,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
+#include <structmember.h>
 
 /* The error for an unfinished event over max_event bytes: sse.EventTooLarge
  * once bind() has run (ValueError before, its base class). */
@@ -426,18 +432,11 @@ Parser_feed(Parser *self, PyObject *chunk)
     return split(self, chunk);
 }
 
+/* SSEParser.relay: (client bytes, ids, records, suspects, events left). */
 static PyObject *
-Parser_relay(Parser *self, PyObject *const *args, Py_ssize_t nargs)
+relay(Parser *self, PyObject *chunk, Py_ssize_t k, int wants_ids)
 {
-    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyLong_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "relay(chunk: bytes, base: int, wants_ids: bool)");
-        return NULL;
-    }
-    Py_ssize_t k = PyLong_AsSsize_t(args[1]);
-    int wants_ids = PyObject_IsTrue(args[2]);
-    if ((k == -1 && PyErr_Occurred()) || wants_ids < 0)
-        return NULL;
-    PyObject *events = split(self, args[0]);
+    PyObject *events = split(self, chunk);
     if (events == NULL)
         return NULL;
     PyObject *ids = PyList_New(0), *records = PyList_New(0), *suspects = PyList_New(0);
@@ -482,6 +481,20 @@ done:
     return result;
 }
 
+static PyObject *
+Parser_relay(Parser *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "relay(chunk: bytes, base: int, wants_ids: bool)");
+        return NULL;
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(args[1]);
+    int wants_ids = PyObject_IsTrue(args[2]);
+    if ((k == -1 && PyErr_Occurred()) || wants_ids < 0)
+        return NULL;
+    return relay(self, args[0], k, wants_ids);
+}
+
 static PyMethodDef Parser_methods[] = {
     {"feed", (PyCFunction)Parser_feed, METH_O, "Raw bytes in; each complete event's data out."},
     {"relay", (PyCFunction)(void (*)(void))Parser_relay, METH_FASTCALL,
@@ -497,6 +510,319 @@ static PyTypeObject ParserType = {
     .tp_new = Parser_new,
     .tp_dealloc = (destructor)Parser_dealloc,
     .tp_methods = Parser_methods,
+};
+
+/* -- a stream's common reads, relayed (proxy.dataplane.hold.pump) ------------ */
+
+/* Stream(parser, book, hold, heard, transport, chunked, run, slow, rest,
+ * armable, high_water, slack): what a Pump's data callback does with a read of the
+ * original stream, with no Python frame for the common read: one whose
+ * events are all common chunks (SSEParser.relay), while the book may take
+ * them on bytes and no hold is on. Their ids and records go into the book
+ * (Book.counted), the upstream is heard (Flow.heard), their bytes go to the
+ * client as one HTTP chunk (ChunkSink.write_now). Any other read goes to
+ * Python, through `run` (the request's context): the whole read to `slow`,
+ * or, once relayed, the relay's result to `rest`, before anything is
+ * changed. After each of Python's turns `armable()` says whether the next
+ * read may be taken here (`armed`: Book.bytes_ok, the first byte out);
+ * `drain` says a write found the client's buffer past `high_water`. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    Parser *parser;
+    PyObject *book, *hold, *heard, *transport, *run, *slow, *rest, *armable;
+    int chunked, wants_ids;
+    char armed, drain; /* T_BOOL members */
+    Py_ssize_t high_water, slack;
+} Stream;
+
+static PyObject *s_generated, *s_records, *s_cap, *s_since, *s_is_closing, *s_write,
+    *s_buffer_size;
+
+static int
+Stream_traverse(Stream *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->parser);
+    Py_VISIT(self->book);
+    Py_VISIT(self->hold);
+    Py_VISIT(self->heard);
+    Py_VISIT(self->transport);
+    Py_VISIT(self->run);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->rest);
+    Py_VISIT(self->armable);
+    return 0;
+}
+
+static int
+Stream_clear(Stream *self)
+{
+    Py_CLEAR(self->parser);
+    Py_CLEAR(self->book);
+    Py_CLEAR(self->hold);
+    Py_CLEAR(self->heard);
+    Py_CLEAR(self->transport);
+    Py_CLEAR(self->run);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->rest);
+    Py_CLEAR(self->armable);
+    return 0;
+}
+
+static void
+Stream_dealloc(Stream *self)
+{
+    PyObject_GC_UnTrack(self);
+    Stream_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames);
+
+static PyObject *
+Stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *parser, *book, *hold, *heard, *transport, *run, *slow, *rest, *armable;
+    int chunked;
+    Py_ssize_t high_water, slack;
+    if (kwds && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Stream() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!OOOOpOOOOnn:Stream", &ParserType, &parser, &book, &hold,
+                          &heard, &transport, &chunked, &run, &slow, &rest, &armable,
+                          &high_water, &slack))
+        return NULL;
+    PyObject *wants = PyObject_GetAttrString(book, "wants_ids");
+    int wants_ids = wants ? PyObject_IsTrue(wants) : -1;
+    Py_XDECREF(wants);
+    if (wants_ids < 0)
+        return NULL;
+    Stream *self = (Stream *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = Stream_call;
+    self->parser = (Parser *)Py_NewRef(parser);
+    self->book = Py_NewRef(book);
+    self->hold = Py_NewRef(hold);
+    self->heard = Py_NewRef(heard);
+    self->transport = Py_NewRef(transport);
+    self->run = Py_NewRef(run);
+    self->slow = Py_NewRef(slow);
+    self->rest = Py_NewRef(rest);
+    self->armable = Py_NewRef(armable);
+    self->chunked = chunked;
+    self->wants_ids = wants_ids;
+    self->high_water = high_water;
+    self->slack = slack;
+    return (PyObject *)self;
+}
+
+/* run(fn, arg): Python's turn, in the request's context. */
+static PyObject *
+in_context(Stream *self, PyObject *fn, PyObject *arg)
+{
+    PyObject *argv[2] = {fn, arg};
+    return PyObject_Vectorcall(self->run, argv, arg ? 2 : 1, NULL);
+}
+
+/* A read handed to Python (`slow` or `rest`), then whether the next may be
+ * taken here. */
+static PyObject *
+python_turn(Stream *self, PyObject *fn, PyObject *arg)
+{
+    PyObject *result = in_context(self, fn, arg);
+    if (result == NULL)
+        return NULL;
+    PyObject *armed = PyObject_CallNoArgs(self->armable);
+    int yes = armed ? PyObject_IsTrue(armed) : -1;
+    Py_XDECREF(armed);
+    if (yes < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    self->armed = (char)yes;
+    return result;
+}
+
+/* The client's transport, if it can take bytes: a new reference, or NULL
+ * with no error set where it cannot (closed, closing, gone). */
+static PyObject *
+writable(Stream *self)
+{
+    PyObject *transport = PyObject_CallNoArgs(self->transport);
+    if (transport == NULL || transport == Py_None) {
+        Py_XDECREF(transport);
+        return NULL;
+    }
+    PyObject *closing = PyObject_CallMethodNoArgs(transport, s_is_closing);
+    int yes = closing ? PyObject_IsTrue(closing) : -1;
+    Py_XDECREF(closing);
+    if (yes != 0) {
+        Py_DECREF(transport);
+        return NULL;
+    }
+    return transport;
+}
+
+/* The ids and records into the book's lists, if within its room
+ * (Book._room): 1 taken, 0 no room (nothing changed), -1 an error. */
+static int
+count(Stream *self, PyObject *ids, PyObject *records)
+{
+    int r = -1;
+    PyObject *generated = PyObject_GetAttr(self->book, s_generated);
+    PyObject *kept = PyObject_GetAttr(self->book, s_records);
+    PyObject *capo = PyObject_GetAttr(self->book, s_cap);
+    if (generated == NULL || kept == NULL || capo == NULL)
+        goto done;
+    if (!PyList_Check(generated) || !PyList_Check(kept)) {
+        PyErr_SetString(PyExc_TypeError, "the book's generated and records must be lists");
+        goto done;
+    }
+    Py_ssize_t cap = PyLong_AsSsize_t(capo);
+    if (cap == -1 && PyErr_Occurred())
+        goto done;
+    Py_ssize_t g = PyList_GET_SIZE(generated), k = PyList_GET_SIZE(kept);
+    if (g + PyList_GET_SIZE(ids) > cap || k + PyList_GET_SIZE(records) > 2 * cap + self->slack) {
+        r = 0;
+        goto done;
+    }
+    r = (PyList_SetSlice(generated, g, g, ids) < 0 || PyList_SetSlice(kept, k, k, records) < 0)
+            ? -1
+            : 1;
+done:
+    Py_XDECREF(generated);
+    Py_XDECREF(kept);
+    Py_XDECREF(capo);
+    return r;
+}
+
+/* The client's bytes of one read, as one HTTP chunk (or as they are, for an
+ * HTTP/1.0 client); 1: the client is reading, 0: drain first. */
+static int
+send_out(Stream *self, PyObject *transport, PyObject *client)
+{
+    PyObject *data = client;
+    Py_INCREF(data);
+    if (self->chunked) {
+        Py_ssize_t n = PyBytes_GET_SIZE(client);
+        char size[20];
+        int sn = snprintf(size, sizeof(size), "%zx\r\n", n);
+        Py_SETREF(data, PyBytes_FromStringAndSize(NULL, sn + n + 2));
+        if (data == NULL)
+            return -1;
+        char *w = PyBytes_AS_STRING(data);
+        memcpy(w, size, (size_t)sn);
+        memcpy(w + sn, PyBytes_AS_STRING(client), (size_t)n);
+        memcpy(w + sn + n, "\r\n", 2);
+    }
+    PyObject *done = PyObject_CallMethodOneArg(transport, s_write, data);
+    Py_DECREF(data);
+    if (done == NULL)
+        return -1;
+    Py_DECREF(done);
+    PyObject *size = PyObject_CallMethodNoArgs(transport, s_buffer_size);
+    if (size == NULL)
+        return -1;
+    Py_ssize_t buffered = PyLong_AsSsize_t(size);
+    Py_DECREF(size);
+    if (buffered == -1 && PyErr_Occurred())
+        return -1;
+    return buffered <= self->high_water;
+}
+
+static PyObject *
+Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Stream *self = (Stream *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "a Stream takes one read (bytes)");
+        return NULL;
+    }
+    PyObject *chunk = args[0];
+    if (!self->armed)
+        return python_turn(self, self->slow, chunk);
+    PyObject *since = PyObject_GetAttr(self->hold, s_since);
+    if (since == NULL)
+        return NULL;
+    int held = since != Py_None;
+    Py_DECREF(since);
+    if (held) /* a hold ends with what comes: Python's (Pump._relayed) */
+        return python_turn(self, self->slow, chunk);
+    PyObject *generated = PyObject_GetAttr(self->book, s_generated);
+    if (generated == NULL)
+        return NULL;
+    Py_ssize_t base = PyList_Check(generated) ? PyList_GET_SIZE(generated) : -1;
+    Py_DECREF(generated);
+    if (base < 0) {
+        PyErr_SetString(PyExc_TypeError, "the book's generated must be a list");
+        return NULL;
+    }
+    PyObject *relayed = relay(self->parser, chunk, base, self->wants_ids);
+    if (relayed == NULL)
+        return NULL;
+    PyObject *client = PyTuple_GET_ITEM(relayed, 0), *ids = PyTuple_GET_ITEM(relayed, 1),
+             *records = PyTuple_GET_ITEM(relayed, 2), *suspects = PyTuple_GET_ITEM(relayed, 3),
+             *left = PyTuple_GET_ITEM(relayed, 4);
+    PyObject *result = NULL, *transport = NULL;
+    if (PyList_GET_SIZE(left) == 0 && PyBytes_GET_SIZE(client) == 0) {
+        result = Py_NewRef(Py_True); /* no event ended in this read */
+        goto done;
+    }
+    /* Events Python handles, a token that came alone without text (a
+     * suspect), a client that cannot take bytes: Python's, untouched. */
+    if (PyList_GET_SIZE(left) > 0 || PyList_GET_SIZE(suspects) > 0
+        || (transport = writable(self)) == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        result = python_turn(self, self->rest, relayed);
+        goto done;
+    }
+    int counted = count(self, ids, records);
+    if (counted < 0)
+        goto done;
+    if (counted == 0) { /* past the book's room: Python refuses it (Overrun) */
+        result = python_turn(self, self->rest, relayed);
+        goto done;
+    }
+    PyObject *heard = in_context(self, self->heard, NULL);
+    if (heard == NULL)
+        goto done;
+    Py_DECREF(heard);
+    int reading = send_out(self, transport, client);
+    if (reading < 0)
+        goto done;
+    if (!reading)
+        self->drain = 1;
+    result = Py_NewRef(reading ? Py_True : Py_False);
+done:
+    Py_XDECREF(transport);
+    Py_DECREF(relayed);
+    return result;
+}
+
+static PyMemberDef Stream_members[] = {
+    {"armed", T_BOOL, offsetof(Stream, armed), 0,
+     "Common reads are taken here (Python clears it while the book may not)."},
+    {"drain", T_BOOL, offsetof(Stream, drain), 0,
+     "A write found the client not reading: wait for it before the next."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject StreamType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.dataplane._events.Stream",
+    .tp_basicsize = sizeof(Stream),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A pump's data callback for the original stream, its common reads compiled.",
+    .tp_new = Stream_new,
+    .tp_dealloc = (destructor)Stream_dealloc,
+    .tp_traverse = (traverseproc)Stream_traverse,
+    .tp_clear = (inquiry)Stream_clear,
+    .tp_vectorcall_offset = offsetof(Stream, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_members = Stream_members,
 };
 
 static PyObject *
@@ -881,17 +1207,27 @@ static struct PyModuleDef module = {
     .m_methods = module_methods,
 };
 
+#define INTERN(var, lit)                          \
+    if ((var = PyUnicode_InternFromString(lit)) == NULL) \
+        return NULL;
+
 PyMODINIT_FUNC
 PyInit__events(void)
 {
-    if (PyType_Ready(&ParserType) < 0)
+    INTERN(s_generated, "generated");
+    INTERN(s_records, "records");
+    INTERN(s_cap, "cap");
+    INTERN(s_since, "since");
+    INTERN(s_is_closing, "is_closing");
+    INTERN(s_write, "write");
+    INTERN(s_buffer_size, "get_write_buffer_size");
+    if (PyType_Ready(&ParserType) < 0 || PyType_Ready(&StreamType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&ParserType);
-    if (PyModule_AddObject(m, "Parser", (PyObject *)&ParserType) < 0) {
-        Py_DECREF(&ParserType);
+    if (PyModule_AddObjectRef(m, "Parser", (PyObject *)&ParserType) < 0
+        || PyModule_AddObjectRef(m, "Stream", (PyObject *)&StreamType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -73,7 +73,8 @@ class ChunkSink:
         drain: Callable[[], Awaitable[None]],
         chunked: bool = True,
     ) -> None:
-        self._transport, self._drain, self._chunked = transport, drain, chunked
+        # Public: a pump's compiled reads write as write_now does (proxy.dataplane._events).
+        self.transport, self._drain, self.chunked = transport, drain, chunked
 
     async def write(self, data: bytes) -> None:
         if not self.write_now(data):
@@ -82,10 +83,10 @@ class ChunkSink:
     def write_now(self, data: bytes) -> bool:
         if not data:
             return True  # a zero-length chunk would end the body
-        transport = self._transport()
+        transport = self.transport()
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client went away")
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         return transport.get_write_buffer_size() <= HIGH_WATER
 
     async def drain(self) -> None:

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from proxy.dataplane._events import Parser, Stream
 
 DONE = b"[DONE]"
 KEEPALIVE = b": ftproxy keepalive\n\n"
@@ -174,19 +178,26 @@ def _ids(inner: bytes) -> list[int] | None:
     return [int(x) for x in items] if all(x.isdigit() for x in items) else None
 
 
-def _compiled() -> Callable[[], EventParser] | None:
+def _compiled() -> ModuleType | None:
     try:
         from proxy.dataplane import _events
     except ImportError:  # built without a compiler: the reference serves
         return None
     _events.bind(EventTooLarge, MAX_EVENT)
-    return _events.Parser
+    return _events
 
 
 # The compiled parser where it was built (None where not), and the one streams
 # use: "compiled" or "python" (FTPROXY_EVENTS=python: the reference).
-COMPILED = _compiled()
+_EVENTS = _compiled()
+COMPILED: Callable[[], EventParser] | None = _EVENTS.Parser if _EVENTS is not None else None
 new_parser: Callable[[], EventParser] = SSEParser
 if COMPILED is not None and os.environ.get("FTPROXY_EVENTS", "") != "python":
     new_parser = COMPILED
 IMPLEMENTATION = "python" if new_parser is SSEParser else "compiled"
+# A pump's data callback with the common reads compiled, beside the parser it
+# reads with (proxy.dataplane.hold.pump), where streams use the compiled one.
+PARSER: type[Parser] | None = None
+STREAM: type[Stream] | None = None
+if _EVENTS is not None and IMPLEMENTATION == "compiled":
+    PARSER, STREAM = _EVENTS.Parser, _EVENTS.Stream

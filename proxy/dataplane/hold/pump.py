@@ -15,17 +15,28 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 
 from proxy.core.errors import ClientGone
 from proxy.dataplane.continuation import Emit, Overrun, SpliceFailed
+from proxy.dataplane.continuation.book import RECORDS_SLACK
 from proxy.dataplane.hold.hold import Hold, StreamFailed
-from proxy.dataplane.sink import Collector, Sink
-from proxy.dataplane.sse import DONE, KEEPALIVE, EventParser, EventTooLarge, event, new_parser
+from proxy.dataplane.sink import HIGH_WATER, ChunkSink, Collector, Sink
+from proxy.dataplane.sse import (
+    DONE,
+    KEEPALIVE,
+    PARSER,
+    STREAM,
+    EventParser,
+    EventTooLarge,
+    Relayed,
+    event,
+    new_parser,
+)
 from proxy.upstream.client import BODY_ERRORS
 
 if TYPE_CHECKING:
+    from proxy.dataplane._events import Stream
     from proxy.dataplane.relay import Attempt
 
 log = logging.getLogger("ftproxy.hold")
@@ -92,23 +103,40 @@ class Pump:
         drain = False
         original = handle == self.book.on_original  # once, not per read
 
-        def on_chunk(chunk: bytes) -> bool:
+        def sent(out: list[bytes], end: PumpEnd | None) -> bool:
             nonlocal outcome, drain
-            out, outcome = self._events(parser, chunk, handle, original)
+            outcome = end
             if out and not self._write_now(b"".join(out)):
                 drain = True
             return outcome is None and not drain
+
+        def on_chunk(chunk: bytes) -> bool:
+            return sent(*self._events(parser, chunk, handle, original))
+
+        def on_relayed(relayed: Relayed) -> bool:
+            return sent(*self._relayed(relayed, handle, original))
 
         # The callback runs in the connection's context: give it this
         # request's (its span parents a hold's, logs name its request id).
         # A partial, not a closure: no Python frame of its own per read.
         run: Callable[..., bool] = contextvars.copy_context().run
-        in_context = functools.partial(run, on_chunk)
-
+        consume: Callable[[bytes], bool] = functools.partial(run, on_chunk)
+        fast = self._compiled(parser, run, on_chunk, on_relayed) if original else None
+        if fast is not None:
+            consume = fast
         while True:
-            await attempt.response.deliver(in_context)
+            try:
+                await attempt.response.deliver(consume)
+            except EventTooLarge as e:  # raised in the compiled read, as in _events
+                raise _too_large(e) from e
+            except ClientGone:
+                raise
+            except ConnectionError as e:  # the compiled read's write, as in _write_now
+                raise _gone(e) from e
             if outcome is not None:
                 return outcome
+            if fast is not None and fast.drain:
+                fast.drain, drain = False, True
             if not drain:
                 return None  # the body ended
             drain = False
@@ -127,6 +155,45 @@ class Pump:
                 return outcome
         return None
 
+    def _compiled(
+        self,
+        parser: EventParser,
+        run: Callable[..., bool],
+        on_chunk: Callable[[bytes], bool],
+        on_relayed: Callable[[Relayed], bool],
+    ) -> Stream | None:
+        """The original stream's data callback with its common reads in
+        compiled code (proxy/dataplane/_events.c: ``Stream``), where it was
+        built and the events go straight to a client's connection."""
+        sink = self.sink
+        if STREAM is None or PARSER is None or not isinstance(sink, ChunkSink):
+            return None
+        if not isinstance(parser, PARSER):
+            return None
+        book, hold, heard = self.book, self.hold, self.flow.heard
+        fast = STREAM(
+            parser,
+            book,
+            hold,
+            heard,
+            sink.transport,
+            sink.chunked,
+            run,
+            on_chunk,
+            on_relayed,
+            self._armable,
+            HIGH_WATER,
+            RECORDS_SLACK,
+        )
+        fast.armed = self._armable()
+        return fast
+
+    def _armable(self) -> bool:
+        """Whether the next read may be taken in compiled code: the book
+        takes common chunks on bytes, and the client has its first byte (so
+        nothing is due but the chunks: see _write_now)."""
+        return not self.first_pending and self.book.bytes_ok()
+
     def _events(
         self, parser: EventParser, chunk: bytes, handle: Handle, original: bool
     ) -> tuple[list[bytes], PumpEnd | None]:
@@ -135,29 +202,36 @@ class Pump:
         ``original``: ``handle`` is the book's ``on_original`` (compared once
         per upstream: a bound method made and compared per read costs more
         than the read's bookkeeping)."""
-        out: list[bytes] = []
-        outcome = None
         book = self.book
         try:
             if original and book.bytes_ok():
                 # The read's common chunks taken in one call (compiled where
                 # built); the events after the first other one: below, in order.
-                head, ids, records, suspects, events = parser.relay(
-                    chunk, len(book.generated), book.wants_ids
-                )
-                if head:
-                    out.append(head)
-                    book.counted(ids, records, suspects)
+                relayed = parser.relay(chunk, len(book.generated), book.wants_ids)
             else:
-                events = parser.feed(chunk)
+                relayed = (b"", [], [], [], parser.feed(chunk))
+        except EventTooLarge as e:  # memory stays bounded: the rank is not sending SSE
+            raise _too_large(e) from e
+        return self._relayed(relayed, handle, original)
+
+    def _relayed(
+        self, relayed: Relayed, handle: Handle, original: bool
+    ) -> tuple[list[bytes], PumpEnd | None]:
+        """A read once relayed (:meth:`EventParser.relay`): the book takes its
+        common chunks, then each event left, in order."""
+        head, ids, records, suspects, events = relayed
+        out: list[bytes] = []
+        outcome = None
+        try:
+            if head:
+                out.append(head)
+                self.book.counted(ids, records, suspects)
             if events or out:  # bytes that never make an event (a drip) are a stall, not progress
                 self.flow.heard()
             for data in events:
                 outcome = self._on_event(data, handle, original, out)
                 if outcome is not None:
                     break
-        except EventTooLarge as e:  # memory stays bounded: the rank is not sending SSE
-            raise StreamFailed(f"the rank sent {e}", "upstream_event_too_large") from e
         except Overrun as e:  # the same: vLLM never sends past the budget
             raise StreamFailed(f"the rank sent {e}", "upstream_too_many_tokens") from e
         # A held stream resumes when the upstream sends on; vLLM's
@@ -212,7 +286,7 @@ class Pump:
         try:
             return self.sink.write_now(data)
         except ConnectionError as e:
-            raise ClientGone(f"the client went away: {e!r}") from e
+            raise _gone(e) from e
 
     async def _waiting(self, io: Awaitable[None]) -> None:
         """A write that may wait on the client; a failure is the client's
@@ -220,8 +294,8 @@ class Pump:
         self.flow.writing += 1
         try:
             await io
-        except (ConnectionError, aiohttp.ClientError) as e:
-            raise ClientGone(f"the client went away: {e!r}") from e
+        except ConnectionError as e:
+            raise _gone(e) from e
         finally:
             self.flow.writing -= 1
             self.flow.last_event = time.monotonic()
@@ -230,3 +304,11 @@ class Pump:
         if self.first_pending and data is not KEEPALIVE and self.access is not None:
             self.access.first_byte()
             self.first_pending = False
+
+
+def _too_large(e: EventTooLarge) -> StreamFailed:
+    return StreamFailed(f"the rank sent {e}", "upstream_event_too_large")
+
+
+def _gone(e: Exception) -> ClientGone:
+    return ClientGone(f"the client went away: {e!r}")
