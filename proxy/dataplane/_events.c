@@ -699,6 +699,26 @@ done:
     return r;
 }
 
+/* "%zx\r\n" of n into buf (at least 19 bytes): its length. (snprintf
+ * cost a tenth of a stream's compiled read.) */
+static int
+hex_line(char *buf, Py_ssize_t n)
+{
+    static const char digits[] = "0123456789abcdef";
+    char tmp[16];
+    int k = 0;
+    size_t v = (size_t)n;
+    do {
+        tmp[k++] = digits[v & 15];
+        v >>= 4;
+    } while (v != 0);
+    for (int i = 0; i < k; i++)
+        buf[i] = tmp[k - 1 - i];
+    buf[k] = '\r';
+    buf[k + 1] = '\n';
+    return k + 2;
+}
+
 /* The client's bytes of one read, as one HTTP chunk (or as they are, for an
  * HTTP/1.0 client); 1: the client is reading, 0: drain first. */
 static int
@@ -709,7 +729,7 @@ send_out(Stream *self, PyObject *transport, PyObject *client)
     if (self->chunked) {
         Py_ssize_t n = PyBytes_GET_SIZE(client);
         char size[20];
-        int sn = snprintf(size, sizeof(size), "%zx\r\n", n);
+        int sn = hex_line(size, n);
         Py_SETREF(data, PyBytes_FromStringAndSize(NULL, sn + n + 2));
         if (data == NULL)
             return -1;

@@ -12,6 +12,10 @@
  * found here is data not followed by CRLF (llhttp refuses it too): the data
  * before it is handed on all the same, as llhttp hands on what it read
  * before an error, and `broken` says so.
+ *
+ * feed_to() hands the data to the response itself, as RankResponse._body
+ * does: to its direct reader (a stream's pump) if it has one, else to
+ * _body, with no Python frame between the read and the reader.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -84,8 +88,10 @@ result(PyObject *body, Dechunker *self, const char *rest, Py_ssize_t n)
     return pair;
 }
 
+static PyObject *s_direct, *s_undirect, *s_body;
+
 static PyObject *
-Dechunker_feed(Dechunker *self, PyObject *arg)
+decode(Dechunker *self, PyObject *arg)
 {
     if (!PyBytes_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "feed() takes bytes");
@@ -159,6 +165,85 @@ Dechunker_feed(Dechunker *self, PyObject *arg)
 }
 
 static PyObject *
+Dechunker_feed(Dechunker *self, PyObject *arg)
+{
+    return decode(self, arg);
+}
+
+/* The exception being raised, taken (PyErr_GetRaisedException from 3.12). */
+static PyObject *
+take_raised(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
+/* The body's data to `resp` (RankResponse._body's first half, its second
+ * in Python): its direct reader's verdict False, or what it raised (an
+ * Exception), ends the direct reading (RankResponse._undirect). */
+static int
+hand_on(PyObject *resp, PyObject *body)
+{
+    PyObject *direct = PyObject_GetAttr(resp, s_direct);
+    if (direct == NULL)
+        return -1;
+    if (direct == Py_None) {
+        Py_DECREF(direct);
+        PyObject *done = PyObject_CallMethodOneArg(resp, s_body, body);
+        Py_XDECREF(done);
+        return done == NULL ? -1 : 0;
+    }
+    PyObject *verdict = PyObject_CallOneArg(direct, body);
+    Py_DECREF(direct);
+    int more = verdict ? PyObject_IsTrue(verdict) : -1;
+    Py_XDECREF(verdict);
+    if (more > 0)
+        return 0;
+    PyObject *exc = Py_None;
+    if (more < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return -1; /* CancelledError and the like go on up, as from _body */
+        exc = take_raised();
+    } else {
+        Py_INCREF(exc);
+    }
+    PyObject *done = PyObject_CallMethodOneArg(resp, s_undirect, exc);
+    Py_DECREF(exc);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+static PyObject *
+Dechunker_feed_to(Dechunker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "feed_to(data: bytes, response)");
+        return NULL;
+    }
+    PyObject *pair = decode(self, args[0]);
+    if (pair == NULL)
+        return NULL;
+    PyObject *body = PyTuple_GET_ITEM(pair, 0), *rest = PyTuple_GET_ITEM(pair, 1);
+    if (PyBytes_GET_SIZE(body) > 0 && hand_on(args[1], body) < 0) {
+        Py_DECREF(pair);
+        return NULL;
+    }
+    Py_INCREF(rest);
+    Py_DECREF(pair);
+    return rest;
+}
+
+static PyObject *
 Dechunker_at_boundary(Dechunker *self, void *Py_UNUSED(closure))
 {
     return PyBool_FromLong(self->state == SIZE && self->line_len == 0);
@@ -167,6 +252,8 @@ Dechunker_at_boundary(Dechunker *self, void *Py_UNUSED(closure))
 static PyMethodDef Dechunker_methods[] = {
     {"feed", (PyCFunction)Dechunker_feed, METH_O,
      "A read of the body in: (its chunks' data, None or the rest for llhttp)."},
+    {"feed_to", (PyCFunction)(void (*)(void))Dechunker_feed_to, METH_FASTCALL,
+     "feed(), its data handed to the response: None, or the rest for llhttp."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -200,6 +287,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__framing(void)
 {
+    if ((s_direct = PyUnicode_InternFromString("_direct")) == NULL
+        || (s_undirect = PyUnicode_InternFromString("_undirect")) == NULL
+        || (s_body = PyUnicode_InternFromString("_body")) == NULL)
+        return NULL;
     if (PyType_Ready(&DechunkerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

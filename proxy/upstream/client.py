@@ -117,13 +117,12 @@ class _Conn(asyncio.Protocol):
         self.last_read = now
         chunks = self.chunks
         if chunks is not None:
-            # A chunked body's plain data chunks, decoded in one call (see
-            # _feed_head): a stream's every read. Its framing between two
-            # data bytes is a size line of at most 15 digits, so no bound on
-            # it is needed here (``dry``) until llhttp reads again.
-            body, rest = chunks.feed(data)
-            if body:
-                resp._body(body)
+            # A chunked body's plain data chunks, decoded and handed to the
+            # response in one call (see _feed_head): a stream's every read.
+            # Its framing between two data bytes is a size line of at most
+            # 15 digits, so no bound on it is needed here (``dry``) until
+            # llhttp reads again.
+            rest = chunks.feed_to(data, resp)
             if rest is None:
                 return
             self.chunks, data = None, rest  # from a chunk boundary on: llhttp's
@@ -412,20 +411,29 @@ class RankResponse:
         self._wake()
 
     def _body(self, data: bytes) -> None:
-        if self._direct is not None:
+        direct = self._direct
+        if direct is not None:
             try:
-                if self._direct(data):
+                if direct(data):
                     return
+                exc = None
             except Exception as e:  # the task re-raises it: never the loop's to log
-                self._direct_exc = e
-            self._direct = None
-            self._wake()
+                exc = e
+            self._undirect(exc)
             return
         self._buf.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER and not self._paused and self._conn is not None:
             self._paused = True
             self._conn.pause()
+        self._wake()
+
+    def _undirect(self, exc: Exception | None) -> None:
+        """The chunks' direct reader (see deliver) stops: it said so, or
+        raised ``exc``, which its task raises."""
+        if exc is not None:
+            self._direct_exc = exc
+        self._direct = None
         self._wake()
 
     def _finish(self) -> None:
