@@ -39,7 +39,7 @@ bench-held: setup
 
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) -m bench.relay --lane-off $(if $(BEFORE),--versions $(BEFORE))
+	$(PY) -m bench.relay $(if $(BEFORE),--versions $(BEFORE))
 	$(PY) -m bench.floors
 	$(PY) -m bench.accesslog
 	$(PY) -m bench.held

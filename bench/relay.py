@@ -1,6 +1,6 @@
 """Relay benchmark: ft-proxy beside direct, nginx, vllm-router and sglang-router, in one run.
 
-``python -m bench.relay [--seconds S] [--reps N] [--only NAMES] [--versions REVS] [--lane-off]``
+``python -m bench.relay [--seconds S] [--reps N] [--only NAMES] [--versions REVS]``
 (``make bench``). ``--versions``: earlier ft-proxy revisions beside this one, in the same run.
 ``--workers 1,2,4,8``: the worker-scaling mode instead (:mod:`bench.scaling`).
 
@@ -130,9 +130,9 @@ def start_proxy(
                             cwd=tree, env=run_env)  # fmt: skip
 
 
-def add_versions(revs: list[str], lane_off: bool, scratch: Path) -> list[str]:
+def add_versions(revs: list[str], scratch: Path) -> list[str]:
     """Targets for ft-proxy at other git revisions (checked out under
-    ``scratch``) and with its fast lane off, measured in the same run."""
+    ``scratch``), measured in the same run."""
     names = []
     for rev in revs:
         tree = scratch / f"ftproxy-{rev}"
@@ -140,11 +140,6 @@ def add_versions(revs: list[str], lane_off: bool, scratch: Path) -> list[str]:
                        capture_output=True)  # fmt: skip
         _build(tree)
         TARGETS[name := f"ft-proxy@{rev}"] = partial(start_proxy, tree=tree)
-        names.append(name)
-    if lane_off:
-        TARGETS[name := "ft-proxy lane off"] = partial(
-            start_proxy, env={"FTPROXY_LISTEN__FAST_LANE": "false"}
-        )
         names.append(name)
     return names
 
@@ -445,8 +440,6 @@ def main() -> None:
     parser.add_argument(
         "--versions", default="", help="comma-separated git revisions of ft-proxy to measure beside"
     )
-    parser.add_argument("--lane-off", action="store_true",
-                        help="also measure ft-proxy with listen.fast_lane off")  # fmt: skip
     parser.add_argument("--workers", default="", help="comma-separated W: relays on W cores")
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n in TARGETS]
@@ -455,7 +448,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as scratch:
         revs = [r for r in args.versions.split(",") if r]
-        names += add_versions(revs, args.lane_off, Path(scratch))
+        names += add_versions(revs, Path(scratch))
         try:
             res = run_all(names, args.seconds, args.reps, args.profile)
         except Invalid as e:
