@@ -255,6 +255,18 @@ def test_ids_past_the_budget_are_refused_either_way(monkeypatch: pytest.MonkeyPa
     assert fast.end == "StreamFailed" and len(fast.book[0]) == 5
 
 
+@pytest.mark.parametrize("budget", [2**31, 2**62, 2**63, 2**64 - 1])
+def test_a_budget_past_a_machine_word_is_room_enough(
+    budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The book's cap is the client's max_tokens: any int the inbound check
+    lets through. The compiled read takes common chunks under it as under
+    any other (no overflow, no error), as the Python path does."""
+    body = {"prompt": "p", "max_tokens": budget, "stream": True}
+    run = _same(_by_event(_stream(20, 0, ["a"], False)), body, monkeypatch)
+    assert run.end == PumpEnd.FINISHED and run.python_reads <= 3
+
+
 def test_the_compiled_stream_is_the_one_pumps_use() -> None:
     if sse.STREAM is None:
         optional.unavailable("compiled", "streams read every event in Python")

@@ -18,6 +18,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <string.h>
 #include <structmember.h>
 
@@ -681,11 +682,22 @@ count(Stream *self, PyObject *ids, PyObject *records)
         PyErr_SetString(PyExc_TypeError, "the book's generated and records must be lists");
         goto done;
     }
-    Py_ssize_t cap = PyLong_AsSsize_t(capo);
+    /* The cap is the client's (max_tokens x n x prompts): any int. Past a
+     * machine word it is room enough (below zero, none: Python refuses);
+     * the records' bound, 2 * cap + slack, saturates rather than overflows. */
+    int past = 0;
+    long long cap = PyLong_AsLongLongAndOverflow(capo, &past);
     if (cap == -1 && PyErr_Occurred())
         goto done;
-    Py_ssize_t g = PyList_GET_SIZE(generated), k = PyList_GET_SIZE(kept);
-    if (g + PyList_GET_SIZE(ids) > cap || k + PyList_GET_SIZE(records) > 2 * cap + self->slack) {
+    if (past > 0)
+        cap = LLONG_MAX;
+    if (past < 0 || cap < 0) {
+        r = 0;
+        goto done;
+    }
+    long long most = cap > (LLONG_MAX - self->slack) / 2 ? LLONG_MAX : 2 * cap + self->slack;
+    long long g = PyList_GET_SIZE(generated), k = PyList_GET_SIZE(kept);
+    if (g + PyList_GET_SIZE(ids) > cap || k + PyList_GET_SIZE(records) > most) {
         r = 0;
         goto done;
     }
