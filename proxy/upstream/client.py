@@ -99,6 +99,7 @@ class _Conn(asyncio.Protocol):
         # A chunked body's decoder, from its first byte (see _feed_head).
         self.chunks: Dechunker | None = None
         self.tail = b""  # the head's last bytes so far: a blank line split across reads
+        self.maybe_chunked = False  # the head so far has the word "chunked"
         self.dechunk = False  # the final head asks for one (see on_headers_complete)
         self.chunk_seen = False  # llhttp read a chunk's size line of this answer
 
@@ -132,8 +133,11 @@ class _Conn(asyncio.Protocol):
                 raise httptools.HttpParserError("a chunk's data is not followed by CRLF")
             if had_head:
                 self.parser.feed_data(data)
-            else:
+            elif self.maybe_chunked or b"chunked" in data:
+                self.maybe_chunked = True
                 self._feed_head(resp, data)
+            else:  # a head the decoder does not take (see _plainly_chunked): one call
+                self.parser.feed_data(data)
         except _PARSE_ERRORS as e:
             self._flush()
             # Bytes past a complete answer (a second answer nobody asked for,
@@ -163,9 +167,10 @@ class _Conn(asyncio.Protocol):
                 self.close()
 
     def _feed_head(self, resp: RankResponse, data: bytes) -> None:
-        """A read while the head is coming: llhttp is fed up to each blank
-        line, so that where the final head ends the body's first byte is
-        known, and a chunked body is the decoder's from there."""
+        """A read while a head that says "chunked" is coming: llhttp is fed
+        up to each blank line, so that where the final head ends the body's
+        first byte is known, and a chunked body is the decoder's from there.
+        (A head without the word, a whole answer's, is fed in one call.)"""
         start = 0
         end = _blank_line(self.tail, data)
         while end >= 0:
@@ -230,7 +235,8 @@ class _Conn(asyncio.Protocol):
             return
         self.in_body = True
         resp._headers_in(status, self.headers, self.parser.should_keep_alive())
-        self.dechunk, self.chunk_seen = _plainly_chunked(resp), False
+        self.dechunk = self.maybe_chunked and _plainly_chunked(resp)
+        self.chunk_seen = False
         self.headers = []
         if self.head_only:
             self._head_answered(resp)
@@ -281,7 +287,7 @@ class _Conn(asyncio.Protocol):
             self.parser = httptools.HttpResponseParser(self)
         self.head_only = head
         self.response, self.got_bytes, self.head_bytes, self.dry = resp, False, 0, 0
-        self.chunks, self.tail, self.dechunk = None, b"", False
+        self.chunks, self.tail, self.dechunk, self.maybe_chunked = None, b"", False, False
         # first_read too: a check before this answer's first byte reads no earlier answer's.
         self.last_read = self.first_read = self.pool.loop.time()
         if self.read_handle is None:  # one armed for an earlier answer judges this one too
