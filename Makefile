@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ftproxy-installed
 
-.PHONY: setup demo test lint unit e2e bench bench-held soak clean
+.PHONY: setup demo test lint unit e2e bench bench-held bench-instructions soak clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ test: lint
 bench-held: setup
 	flock /tmp/ftproxy-heavy.lock $(PY) -m bench.held --streams $(or $(STREAMS),9000) \
 		--workers $(or $(WORKERS),1)
+
+# Instructions per stream event and per small request under callgrind: the same
+# count whatever else the machine does (~8 minutes a version; needs valgrind).
+bench-instructions: setup
+	$(PY) -m bench.instructions $(if $(BEFORE),--versions $(BEFORE))
 
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
