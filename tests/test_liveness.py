@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import io
 import time
+from dataclasses import dataclass
 from typing import Any, cast
 
 import aiohttp
@@ -26,13 +27,15 @@ from rich.console import Console
 
 from proxy.admin_cli import rank_table
 from proxy.control.healthmetric import Junk, samples
-from proxy.control.liveness import Liveness
+from proxy.control.liveness import Liveness, Stall
 from proxy.control.ranks import RankStatus, RankTable, Source
 from proxy.control.recovery import ft_unhealthy
 from proxy.core.errors import ConnectFailed, RankError
 from proxy.core.settings import Settings
+from proxy.dataplane.hold.hold import Flow
 from proxy.dataplane.relay import Attempt, Relay
-from proxy.ingress.state import TABLE
+from proxy.dataplane.sse import STREAM
+from proxy.ingress.state import RELAY, TABLE
 from proxy.telemetry.metrics import Metrics
 from proxy.upstream import Upstream
 from proxy.upstream.bounded import Answer, Bound
@@ -338,6 +341,83 @@ def test_a_stream_waiting_on_a_slow_client_is_no_silence_of_its_rank() -> None:
     assert table.ranks["a"].routable  # silent 0.1 s: within silence_s
     live.check(now + 5.3)
     assert table.ranks["a"].ejected is not None
+
+
+@dataclass(eq=False)
+class Stamped:
+    """A stream relayed in compiled code, as the rank sees it
+    (proxy.control.ranks.Stamp; proxy.dataplane._events.Stream)."""
+
+    heard_at: float
+    armed: bool = True
+
+
+def test_a_stream_relayed_in_compiled_code_is_progress_of_its_rank() -> None:
+    # Its events are stamped, not heard one by one: the rank's liveness
+    # reads the stamp when it judges, so a stuck stream beside it does not
+    # make the rank silent while it flows; once it stops, the rank is
+    # judged as before, and the stamp is disarmed: its next event is heard,
+    # which brings the rank back at once.
+    table, live = two_ranks()
+    now = time.monotonic()
+    live.sent("a", 100, judged=True).heard(now)  # its first event, then nothing
+    flowing = Stamped(now)
+    table.ranks["a"].stamps.add(flowing)
+    flowing.heard_at = now + 4.9
+    live.prompt["b"] = now + 5.0
+    live.check(now + 5.0)
+    assert table.ranks["a"].routable, table.ranks["a"].ejected
+    live.prompt["b"] = now + 5.5
+    live.check(now + 5.5)
+    assert table.ranks["a"].ejected is not None
+    assert not flowing.armed
+
+
+def test_a_stamp_let_go_is_kept_as_progress_and_brings_no_rank_back() -> None:
+    # The stream ends (or faults) after events only its stamp saw: they are
+    # its ticket's and its rank's progress (a late poll is excused by them),
+    # never later than what is known, and they bring back no ejected rank
+    # (an event after the ejection went through Python: see above).
+    table, live = two_ranks()
+    now = time.monotonic()
+    ticket = live.sent("a", 100, judged=True)
+    ticket.heard(now)
+    flow = Flow(ticket=ticket)
+    stamp = Stamped(now + 1.0)
+    flow.stamped(stamp)
+    assert table.ranks["a"].stamps == {stamp}
+    assert table.ranks["a"].last_progress() == now + 1.0
+    table.set_ejected("a", "test")
+    flow.detach()
+    assert table.ranks["a"].stamps == set() and flow.stamp is None
+    assert ticket.last == flow.last_event == table.ranks["a"].progress_at == now + 1.0
+    assert table.ranks["a"].ejected == "test"
+    ticket.stamped(now)  # older than what is known: nothing moves back
+    assert ticket.last == table.ranks["a"].progress_at == now + 1.0
+
+
+@pytest.mark.skipif(STREAM is None, reason="the compiled event path is not built")
+async def test_an_ejected_rank_whose_compiled_stream_goes_on_is_back_at_once(
+    fakes, proxy, http
+) -> None:
+    # The stream's reads are compiled (its common chunks stamped): ejecting
+    # the rank disarms them, so its next event is heard in Python, and that
+    # brings the rank back; probes are off in effect.
+    a, b = await fakes(name="a", token_delay_s=0.05), await fakes(name="b")
+    live = {**LIVENESS, "probe_interval_s": 60.0}
+    p = await proxy(settings([a, b], separate=True, liveness=live))
+    table: RankTable = p.app[TABLE]
+    body = {"prompt": "hi", "max_tokens": 40, "stream": True}
+    async with http.post(p.url + "/v1/completions", json=body) as r:
+        for _ in range(6):
+            await r.content.readline()
+        rank = table.ranks["a"]
+        assert rank.stamps, "not relayed in compiled code"
+        p.app[RELAY].liveness._eject(rank, Stall(1.0, SILENCE_S, "stalled", 1), "b")
+        assert rank.ejected is not None
+        assert await table.wait_for(lambda: rank.routable, 0.5), rank.ejected
+        text = await r.text()
+    assert r.status == 200 and "[DONE]" in text
 
 
 def test_the_bound_sums_the_prefill_waiting_on_the_rank() -> None:

@@ -139,7 +139,7 @@ class Poller:
         frozen one whose old bytes a slow client still drains (read late, they
         look like progress) is out at the next late poll past that."""
         late = self._late.get(rank.name, 0)
-        if rank.progress_at <= sent_at or late >= LATE_POLLS_EXCUSED:
+        if rank.last_progress() <= sent_at or late >= LATE_POLLS_EXCUSED:
             return False
         self._late[rank.name] = late + 1
         return True

@@ -95,6 +95,16 @@ class Ticket:
             self.target.progress_at = at
         self.owner.progress(self.rank, at)
 
+    def stamped(self, at: float) -> None:
+        """Progress at ``at``, read from a stamp as it is let go (the
+        compiled reads': see proxy.control.ranks.Stamp). Nobody is brought
+        back by it: a rank taken out disarms its stamps, so an event after
+        that is heard."""
+        self.last = max(self.last, at)
+        if self.target is not None:
+            self.target.progress_at = max(self.target.progress_at, at)
+        self.owner.progressed(self.rank, at)
+
     def answered(self, response: RankResponse | None) -> None:
         """The answer's head came, or none will (None). A stream's head is
         no progress: vLLM sends it before the prefill; its first event is.
@@ -172,6 +182,11 @@ class Liveness:
         if rank is not None and rank.ejected is not None:
             self._readmit(name, "it answered again")
 
+    def progressed(self, name: str, at: float) -> None:
+        """Progress seen late (a stamp): never earlier than what is known."""
+        if at > self._progress.get(name, 0.0):
+            self._progress[name] = at
+
     def check(self, now: float | None = None) -> None:
         """Eject each rank silent past its bound while another answers."""
         at = time.monotonic() if now is None else now
@@ -204,6 +219,8 @@ class Liveness:
                 self._quiet.pop(rank.name, None)
                 self._suspects.pop(rank.name, None)
                 continue
+            for stamp in rank.stamps:  # streams relayed in compiled code
+                self.progressed(rank.name, stamp.heard_at)
             stall = self._stall(rank.name, tickets, at)
             if stall is None:
                 self._suspect(rank.name, tickets, at)
@@ -290,6 +307,8 @@ class Liveness:
             f"while rank {peer} answers"
         )
         if self.table.set_ejected(rank.name, reason):
+            for stamp in rank.stamps:  # their next event, heard, brings it back
+                stamp.armed = False
             self.metrics.ejections.labels(rank.name, stall.cause).inc()
             self._probed[rank.name] = time.monotonic()  # the first probe after an interval
             log.warning("rank %s out of rotation, though it reports healthy: %s", rank.name, reason)

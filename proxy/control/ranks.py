@@ -31,9 +31,20 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.core.settings import GroupConfig
+
+
+class Stamp(Protocol):
+    """A stream whose events are relayed in compiled code, which stamps
+    them instead of calling back (proxy.dataplane._events.Stream): their
+    progress is read when it is judged."""
+
+    armed: bool  # cleared: its next read goes through Python's Flow.heard
+
+    @property
+    def heard_at(self) -> float: ...  # time.monotonic() of its last event
 
 
 class RankStatus(StrEnum):
@@ -98,6 +109,9 @@ class Rank:
     # (proxy.control.liveness): a poll that times out while it streams is a
     # busy API server's, not a hung one's (proxy.control.feed.Poller).
     progress_at: float = 0.0
+    # Its streams whose events are stamped, not heard one by one: they are
+    # progress too (see last_progress).
+    stamps: set[Stamp] = field(default_factory=set)
     # Which feed changed `status` last, and when (our wall clock).
     changed_by: Source = Source.UNSEEN
     changed_at: float = 0.0
@@ -120,6 +134,10 @@ class Rank:
     # Model names it serves (its /v1/models), None until learned.
     models: frozenset[str] | None = None
     models_at: float = 0.0  # monotonic time they were learned
+
+    def last_progress(self) -> float:
+        """``progress_at``, or a stamped stream's later event."""
+        return max(self.progress_at, *(s.heard_at for s in self.stamps), 0.0)
 
     def serves(self, model: str | None) -> bool:
         """May a request for ``model`` go here? Unknown lists do not refuse."""

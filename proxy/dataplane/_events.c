@@ -9,8 +9,8 @@
  *
  * Stream: a pump's data callback (proxy/dataplane/hold/pump.py, whose Python
  * path is its reference) that takes a read made only of common chunks
- * without a Python frame: relayed, counted into the book, the upstream
- * heard, written to the client as one HTTP chunk.
+ * without a Python frame: relayed, counted into the book, its time stamped
+ * (heard_at), written to the client as one HTTP chunk.
  *
  * And one check of a whole (non-streamed) answer: is_object(), whether its
  * body is a JSON object as orjson reads one (the reference:
@@ -21,6 +21,7 @@
 #include <limits.h>
 #include <string.h>
 #include <structmember.h>
+#include <time.h>
 
 /* The error for an unfinished event over max_event bytes: sse.EventTooLarge
  * once bind() has run (ValueError before, its base class). */
@@ -515,13 +516,15 @@ static PyTypeObject ParserType = {
 
 /* -- a stream's common reads, relayed (proxy.dataplane.hold.pump) ------------ */
 
-/* Stream(parser, book, hold, heard, transport, chunked, run, slow, rest,
+/* Stream(parser, book, hold, transport, chunked, run, slow, rest,
  * armable, high_water, slack): what a Pump's data callback does with a read of the
  * original stream, with no Python frame for the common read: one whose
  * events are all common chunks (SSEParser.relay), while the book may take
  * them on bytes and no hold is on. Their ids and records go into the book
- * (Book.counted), the upstream is heard (Flow.heard), their bytes go to the
- * client as one HTTP chunk (ChunkSink.write_now). Any other read goes to
+ * (Book.counted), the read's time into `heard_at` (time.monotonic()'s clock:
+ * the Flow and the rank's liveness read it when they judge silence, where
+ * Python's reads call Flow.heard), their bytes go to the client as one HTTP
+ * chunk (ChunkSink.write_now). Any other read goes to
  * Python, through `run` (the request's context): the whole read to `slow`,
  * or, once relayed, the relay's result to `rest`, before anything is
  * changed. After each of Python's turns `armable()` says whether the next
@@ -531,9 +534,10 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     Parser *parser;
-    PyObject *book, *hold, *heard, *transport, *run, *slow, *rest, *armable;
+    PyObject *book, *hold, *transport, *run, *slow, *rest, *armable;
     int chunked, wants_ids;
     char armed, drain; /* T_BOOL members */
+    double heard_at;
     Py_ssize_t high_water, slack;
 } Stream;
 
@@ -546,7 +550,6 @@ Stream_traverse(Stream *self, visitproc visit, void *arg)
     Py_VISIT(self->parser);
     Py_VISIT(self->book);
     Py_VISIT(self->hold);
-    Py_VISIT(self->heard);
     Py_VISIT(self->transport);
     Py_VISIT(self->run);
     Py_VISIT(self->slow);
@@ -561,7 +564,6 @@ Stream_clear(Stream *self)
     Py_CLEAR(self->parser);
     Py_CLEAR(self->book);
     Py_CLEAR(self->hold);
-    Py_CLEAR(self->heard);
     Py_CLEAR(self->transport);
     Py_CLEAR(self->run);
     Py_CLEAR(self->slow);
@@ -584,16 +586,16 @@ static PyObject *Stream_call(PyObject *callable, PyObject *const *args, size_t n
 static PyObject *
 Stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *parser, *book, *hold, *heard, *transport, *run, *slow, *rest, *armable;
+    PyObject *parser, *book, *hold, *transport, *run, *slow, *rest, *armable;
     int chunked;
     Py_ssize_t high_water, slack;
     if (kwds && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Stream() takes no keyword arguments");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "O!OOOOpOOOOnn:Stream", &ParserType, &parser, &book, &hold,
-                          &heard, &transport, &chunked, &run, &slow, &rest, &armable,
-                          &high_water, &slack))
+    if (!PyArg_ParseTuple(args, "O!OOOpOOOOnn:Stream", &ParserType, &parser, &book, &hold,
+                          &transport, &chunked, &run, &slow, &rest, &armable, &high_water,
+                          &slack))
         return NULL;
     PyObject *wants = PyObject_GetAttrString(book, "wants_ids");
     int wants_ids = wants ? PyObject_IsTrue(wants) : -1;
@@ -607,7 +609,6 @@ Stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->parser = (Parser *)Py_NewRef(parser);
     self->book = Py_NewRef(book);
     self->hold = Py_NewRef(hold);
-    self->heard = Py_NewRef(heard);
     self->transport = Py_NewRef(transport);
     self->run = Py_NewRef(run);
     self->slow = Py_NewRef(slow);
@@ -819,10 +820,9 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
         result = python_turn(self, self->rest, relayed);
         goto done;
     }
-    PyObject *heard = in_context(self, self->heard, NULL);
-    if (heard == NULL)
-        goto done;
-    Py_DECREF(heard);
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now); /* time.monotonic()'s clock */
+    self->heard_at = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
     int reading = send_out(self, transport, client);
     if (reading < 0)
         goto done;
@@ -840,6 +840,8 @@ static PyMemberDef Stream_members[] = {
      "Common reads are taken here (Python clears it while the book may not)."},
     {"drain", T_BOOL, offsetof(Stream, drain), 0,
      "A write found the client not reading: wait for it before the next."},
+    {"heard_at", T_DOUBLE, offsetof(Stream, heard_at), READONLY,
+     "time.monotonic() of the last read relayed here (0.0 before any)."},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -18,12 +18,13 @@ def hide_ids(data: bytes, /) -> bytes: ...
 class Stream:
     armed: bool
     drain: bool
+    @property
+    def heard_at(self) -> float: ...
     def __init__(
         self,
         parser: Parser,
         book: Any,
         hold: Any,
-        heard: Callable[[], None],
         transport: Callable[[], Any],
         chunked: bool,
         run: Callable[..., bool],

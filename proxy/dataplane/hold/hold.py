@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from proxy.control.ranks import Rank, RankStatus, RankTable, Source, group_fault
+from proxy.control.ranks import Rank, RankStatus, RankTable, Source, Stamp, group_fault
 from proxy.core.settings import Hold as HoldSettings
 from proxy.dataplane.budget import HeldStreams, StreamBudget
 from proxy.dataplane.continuation import Book, SpliceFailed
@@ -87,6 +87,9 @@ class Flow:
     # rank is not read (see Hold._check_stall).
     writing: int = 0
     ticket: Ticket | None = None  # the upstream's progress (proxy.control.liveness)
+    # The upstream's compiled reads, which stamp their events (heard_at)
+    # instead of calling heard(): read when silence is judged.
+    stamp: Stamp | None = None
 
     def attach(self, attempt: Attempt) -> None:
         """Read ``attempt`` from now on. The rank's liveness judges its
@@ -94,14 +97,38 @@ class Flow:
         self.rank, self.upstream, self.ticket = attempt.rank, attempt.response, attempt.ticket
         attempt.ticket.quiet_since = self.silent_since
 
-    def heard(self) -> None:
+    def heard(self, now: float | None = None) -> None:
         """An event from the upstream."""
-        self.last_event = now = time.monotonic()
+        self.last_event = at = time.monotonic() if now is None else now
         if self.ticket is not None:
-            self.ticket.heard(now)
+            self.ticket.heard(at)
+
+    def stamped(self, stamp: Stamp) -> None:
+        """The upstream's events are stamped by ``stamp`` from now on: its
+        rank's liveness reads them there (a rank that is taken out disarms
+        it, and the next event, heard, brings the rank back)."""
+        self.stamp = stamp
+        if self.ticket is not None and self.ticket.target is not None:
+            self.ticket.target.stamps.add(stamp)
+
+    def detach(self) -> None:
+        """The upstream is done: its stamped events kept as progress."""
+        stamp, self.stamp, self.upstream = self.stamp, None, None
+        if stamp is None:
+            return
+        self.last_event = max(self.last_event, stamp.heard_at)
+        if self.ticket is not None:
+            if self.ticket.target is not None:
+                self.ticket.target.stamps.discard(stamp)
+            self.ticket.stamped(stamp.heard_at)
+
+    def last_heard(self) -> float:
+        """The last event heard, or the end of the last wait on the client."""
+        stamp = self.stamp
+        return self.last_event if stamp is None else max(self.last_event, stamp.heard_at)
 
     def silent_since(self) -> float | None:
-        return None if self.writing else self.last_event
+        return None if self.writing else self.last_heard()
 
 
 class Hold:
@@ -223,7 +250,7 @@ class Hold:
             # from the rank: it cannot be heard, so nor judged silent. Judged
             # from the wait's end (as the rank client's timeouts.read_s).
             return
-        idle = time.monotonic() - self.flow.last_event
+        idle = time.monotonic() - self.flow.last_heard()
         if idle > self.cfg.stall_s:
             self.start(f"no event for {self.cfg.stall_s:.0f}s")
             return

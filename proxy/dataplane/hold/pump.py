@@ -86,7 +86,7 @@ class Pump:
         finally:
             attempt.response.close() if sane else attempt.response.discard()
             attempt.uncount()  # the rank is done with it, whatever comes next
-            self.flow.upstream = None
+            self.flow.detach()
         return PumpEnd.FINISHED if self.book.finish_reason else self.fault("connection lost")
 
     def fault(self, reason: str) -> PumpEnd:
@@ -170,12 +170,10 @@ class Pump:
             return None
         if not isinstance(parser, PARSER):
             return None
-        book, hold, heard = self.book, self.hold, self.flow.heard
         fast = STREAM(
             parser,
-            book,
-            hold,
-            heard,
+            self.book,
+            self.hold,
             sink.transport,
             sink.chunked,
             run,
@@ -185,14 +183,18 @@ class Pump:
             HIGH_WATER,
             RECORDS_SLACK,
         )
+        self.flow.stamped(fast)
         fast.armed = self._armable()
         return fast
 
     def _armable(self) -> bool:
         """Whether the next read may be taken in compiled code: the book
-        takes common chunks on bytes, and the client has its first byte (so
-        nothing is due but the chunks: see _write_now)."""
-        return not self.first_pending and self.book.bytes_ok()
+        takes common chunks on bytes, the client has its first byte (so
+        nothing is due but the chunks: see _write_now), and the rank is in
+        rotation (an ejected one is back at its next event: Flow.heard)."""
+        rank = self.flow.rank
+        in_rotation = rank is None or rank.ejected is None
+        return not self.first_pending and self.book.bytes_ok() and in_rotation
 
     def _events(
         self, parser: EventParser, chunk: bytes, handle: Handle, original: bool
