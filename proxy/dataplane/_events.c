@@ -23,6 +23,13 @@
 #include <structmember.h>
 #include <time.h>
 
+/* time.monotonic()'s clock (macOS: mach_absolute_time, which stops in sleep). */
+#ifdef __APPLE__
+#define MONOTONIC_CLOCK CLOCK_UPTIME_RAW
+#else
+#define MONOTONIC_CLOCK CLOCK_MONOTONIC
+#endif
+
 /* The error for an unfinished event over max_event bytes: sse.EventTooLarge
  * once bind() has run (ValueError before, its base class). */
 static PyObject *too_large = NULL;
@@ -821,7 +828,7 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
         goto done;
     }
     struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now); /* time.monotonic()'s clock */
+    clock_gettime(MONOTONIC_CLOCK, &now);
     self->heard_at = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
     int reading = send_out(self, transport, client);
     if (reading < 0)
