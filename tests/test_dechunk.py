@@ -51,6 +51,9 @@ class _Transport:
     def resume_reading(self) -> None:
         pass
 
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.protocol = protocol  # as uvloop's: data_received as it is now
+
 
 @dataclass
 class Outcome:

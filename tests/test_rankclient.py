@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.core.errors import RankError
+from proxy.upstream import client as client_module
 from proxy.upstream.client import (
     BadResponse,
     PoolFull,
@@ -617,6 +618,47 @@ async def test_a_reader_slower_than_the_rank_is_no_silence_of_the_ranks(rank) ->
         await asyncio.wait_for(resp.read(), 5)
     assert asyncio.get_running_loop().time() - started < 1.5
     resp.close()
+    await client.close()
+
+
+@pytest.mark.skipif(client_module.READER is None, reason="built without a C compiler")
+async def test_a_stream_read_in_compiled_code_is_heard_by_the_silence_timer(rank) -> None:
+    """A streamed chunked body's reads go to the compiled Reader (no Python
+    call per read) until llhttp takes the body back (here: the last chunk);
+    the silence timer reads their time there: a stream that is never silent
+    for read_s is not cut however long it runs, one that falls silent is."""
+    event = b"5\r\nhello\r\n"
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(head)
+        for _ in range(12):  # 1.2 s: four times read_s
+            writer.write(event)
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        writer.write(b"0\r\n\r\n")
+        if await read_request(reader):  # the next: three events, then silence
+            writer.write(head + event * 3)
+            await asyncio.sleep(5)
+
+    url = await rank(serve)
+    client = _client(read_s=0.3)
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")
+    conn = resp._conn
+    assert conn is not None
+    got, compiled = [], []
+    async for chunk in resp.chunks():
+        got.append(chunk)
+        compiled.append(conn.reader is not None and "data_received" in conn.__dict__)
+    assert b"".join(got) == b"hello" * 12 and sum(compiled) >= 10, compiled
+    assert conn.reader is None and "data_received" not in conn.__dict__
+    resp.release()
+    resp = await client.request("POST", url, CIMultiDict(), b"{}")
+    with pytest.raises(ReadTimeout):
+        await asyncio.wait_for(resp.read(), 5)
     await client.close()
 
 

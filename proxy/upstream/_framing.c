@@ -15,11 +15,15 @@
  *
  * feed_to() hands the data to the response itself, as RankResponse._body
  * does: to its direct reader (a stream's pump) if it has one, else to
- * _body, with no Python frame between the read and the reader.
+ * _body, with no Python frame between the read and the reader. A Reader is
+ * the connection's data callback while the body is the decoder's: it does
+ * what _Conn.data_received does then (the read's time, feed_to), so that
+ * from the socket to the client there is no Python frame at all.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
+#include <structmember.h>
 
 /* A size line's digits, at most: 15 hex digits are 60 bits, no overflow. */
 #define MAX_DIGITS 15
@@ -243,6 +247,117 @@ Dechunker_feed_to(Dechunker *self, PyObject *const *args, Py_ssize_t nargs)
     return rest;
 }
 
+/* -- the connection's data callback while the body is the decoder's ------ */
+
+/* Reader(dechunker, response, clock, rest): the read's time (`clock()`, the
+ * loop's time, as _Conn.data_received stamps it) into `read_at`, its data
+ * handed to the response (feed_to), and what is left from a chunk boundary
+ * on, if anything, to `rest` (Python: llhttp reads it, and the reads after
+ * it). */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    Dechunker *chunks;
+    PyObject *resp, *clock, *rest;
+    double read_at;
+} Reader;
+
+static int
+Reader_traverse(Reader *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->chunks);
+    Py_VISIT(self->resp);
+    Py_VISIT(self->clock);
+    Py_VISIT(self->rest);
+    return 0;
+}
+
+static int
+Reader_clear(Reader *self)
+{
+    Py_CLEAR(self->chunks);
+    Py_CLEAR(self->resp);
+    Py_CLEAR(self->clock);
+    Py_CLEAR(self->rest);
+    return 0;
+}
+
+static void
+Reader_dealloc(Reader *self)
+{
+    PyObject_GC_UnTrack(self);
+    Reader_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Reader_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Reader *self = (Reader *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "a Reader takes one read (bytes)");
+        return NULL;
+    }
+    PyObject *now = PyObject_CallNoArgs(self->clock);
+    if (now == NULL)
+        return NULL;
+    double at = PyFloat_AsDouble(now);
+    Py_DECREF(now);
+    if (at == -1.0 && PyErr_Occurred())
+        return NULL;
+    self->read_at = at;
+    PyObject *feed[2] = {args[0], self->resp};
+    PyObject *left = Dechunker_feed_to(self->chunks, feed, 2);
+    if (left == NULL || left == Py_None)
+        return left;
+    PyObject *done = PyObject_CallOneArg(self->rest, left);
+    Py_DECREF(left);
+    return done;
+}
+
+static PyTypeObject DechunkerType;
+
+static PyObject *
+Reader_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *chunks, *resp, *clock, *rest;
+    if (kwds && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Reader() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!OOO:Reader", &DechunkerType, &chunks, &resp, &clock, &rest))
+        return NULL;
+    Reader *self = (Reader *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = Reader_call;
+    self->chunks = (Dechunker *)Py_NewRef(chunks);
+    self->resp = Py_NewRef(resp);
+    self->clock = Py_NewRef(clock);
+    self->rest = Py_NewRef(rest);
+    return (PyObject *)self;
+}
+
+static PyMemberDef Reader_members[] = {
+    {"read_at", T_DOUBLE, offsetof(Reader, read_at), READONLY,
+     "The loop's time of the last read (0.0 before any)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject ReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.upstream._framing.Reader",
+    .tp_basicsize = sizeof(Reader),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A connection's data callback while a chunked body is the decoder's.",
+    .tp_new = Reader_new,
+    .tp_dealloc = (destructor)Reader_dealloc,
+    .tp_traverse = (traverseproc)Reader_traverse,
+    .tp_clear = (inquiry)Reader_clear,
+    .tp_vectorcall_offset = offsetof(Reader, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_members = Reader_members,
+};
+
 static PyObject *
 Dechunker_at_boundary(Dechunker *self, void *Py_UNUSED(closure))
 {
@@ -291,7 +406,7 @@ PyInit__framing(void)
         || (s_undirect = PyUnicode_InternFromString("_undirect")) == NULL
         || (s_body = PyUnicode_InternFromString("_body")) == NULL)
         return NULL;
-    if (PyType_Ready(&DechunkerType) < 0)
+    if (PyType_Ready(&DechunkerType) < 0 || PyType_Ready(&ReaderType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -299,6 +414,12 @@ PyInit__framing(void)
     Py_INCREF(&DechunkerType);
     if (PyModule_AddObject(m, "Dechunker", (PyObject *)&DechunkerType) < 0) {
         Py_DECREF(&DechunkerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ReaderType);
+    if (PyModule_AddObject(m, "Reader", (PyObject *)&ReaderType) < 0) {
+        Py_DECREF(&ReaderType);
         Py_DECREF(m);
         return NULL;
     }

@@ -1,5 +1,6 @@
 # The compiled decoder of a streamed answer's chunked body (proxy/upstream/_framing.c).
 
+from collections.abc import Callable
 from typing import Any
 
 class Dechunker:
@@ -10,3 +11,16 @@ class Dechunker:
     def at_boundary(self) -> bool: ...
     @property
     def broken(self) -> bool: ...
+
+class Reader:
+    def __init__(
+        self,
+        chunks: Dechunker,
+        response: Any,
+        clock: Callable[[], float],
+        rest: Callable[[bytes], None],
+        /,
+    ) -> None: ...
+    def __call__(self, data: bytes, /) -> None: ...
+    @property
+    def read_at(self) -> float: ...

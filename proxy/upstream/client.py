@@ -59,11 +59,12 @@ BODY_ERRORS = (RankConnectionError, ReadTimeout, BadResponse)
 # The compiled decoder of a chunked body's data chunks (proxy/upstream/_framing.c),
 # where it was built; without it llhttp reads every body, as it always may.
 try:
-    from proxy.upstream._framing import Dechunker
+    from proxy.upstream._framing import Dechunker, Reader
 except ImportError:  # built without a C compiler
     DECHUNKER: type[Dechunker] | None = None
+    READER: type[Reader] | None = None
 else:
-    DECHUNKER = Dechunker
+    DECHUNKER, READER = Dechunker, Reader
 
 
 _Key = tuple[str, int, bool]  # host, port, TLS
@@ -98,6 +99,8 @@ class _Conn(asyncio.Protocol):
         self.parts: list[bytes] = []
         # A chunked body's decoder, from its first byte (see _feed_head).
         self.chunks: Dechunker | None = None
+        # Its reads' callback meanwhile, in place of data_received (see _read_directly).
+        self.reader: Reader | None = None
         self.tail = b""  # the head's last bytes so far: a blank line split across reads
         self.maybe_chunked = False  # the head so far has the word "chunked"
         self.dechunk = False  # the final head asks for one (see on_headers_complete)
@@ -124,9 +127,44 @@ class _Conn(asyncio.Protocol):
             # 15 digits, so no bound on it is needed here (``dry``) until
             # llhttp reads again.
             rest = chunks.feed_to(data, resp)
-            if rest is None:
-                return
-            self.chunks, data = None, rest  # from a chunk boundary on: llhttp's
+            if rest is not None:
+                self._rest_by_llhttp(rest)
+            return
+        self._parse(resp, data, None)
+
+    def _read_directly(self) -> None:
+        """The reads of the chunked body that begins go to a Reader, which
+        does in compiled code what data_received does for them (the read's
+        time, ``chunks.feed_to``): uvloop calls the protocol's
+        ``data_received`` as it was when the protocol was set, so the
+        instance's, set here, shadows the class's until _read_in_python."""
+        resp, chunks = self.response, self.chunks
+        if READER is None or self.transport is None or resp is None or chunks is None:
+            return
+        self.reader = READER(chunks, resp, self.pool.loop.time, self._rest_by_llhttp)
+        self.__dict__["data_received"] = self.reader
+        self.transport.set_protocol(self)
+
+    def _read_in_python(self) -> None:
+        reader, self.reader = self.reader, None
+        if reader is None:
+            return
+        self.last_read = max(self.last_read, reader.read_at)
+        del self.__dict__["data_received"]
+        if self.transport is not None:
+            self.transport.set_protocol(self)
+
+    def _rest_by_llhttp(self, rest: bytes) -> None:
+        """The decoder handed the body back at a chunk boundary: ``rest``
+        and what follows are llhttp's."""
+        chunks, resp = self.chunks, self.response
+        self._read_in_python()
+        self.chunks = None
+        if resp is not None:
+            self._parse(resp, rest, chunks)
+
+    def _parse(self, resp: RankResponse, data: bytes, chunks: Dechunker | None) -> None:
+        """A read (or its rest, after the decoder: ``chunks``) through llhttp."""
         had_head, self.body_read = bool(resp.status), False
         try:
             if chunks is not None and chunks.broken:  # what came before it was handed on
@@ -187,6 +225,7 @@ class _Conn(asyncio.Protocol):
             # llhttp stopped at the head's end with nothing of the body read
             # (a size line, whatever it held, would have been reported).
             self.chunks = DECHUNKER()
+            self._read_directly()
             if rest:
                 self.data_received(rest)  # the body's first bytes: the decoder's
             return
@@ -195,6 +234,8 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.reader = None  # which holds the response and this connection
+        self.__dict__.pop("data_received", None)
         self._stop_timers()
         self.pool._lost(self)
         resp, self.response = self.response, None
@@ -287,6 +328,7 @@ class _Conn(asyncio.Protocol):
             self.parser = httptools.HttpResponseParser(self)
         self.head_only = head
         self.response, self.got_bytes, self.head_bytes, self.dry = resp, False, 0, 0
+        self._read_in_python()
         self.chunks, self.tail, self.dechunk, self.maybe_chunked = None, b"", False, False
         # first_read too: a check before this answer's first byte reads no earlier answer's.
         self.last_read = self.first_read = self.pool.loop.time()
@@ -312,6 +354,8 @@ class _Conn(asyncio.Protocol):
             self.read_handle = self.pool.loop.call_later(read_s, self._read_check)
             return
         now = self.pool.loop.time()
+        if self.reader is not None:
+            self.last_read = max(self.last_read, self.reader.read_at)
         if now - self.last_read >= read_s:
             resp._fail(ReadTimeout(f"the rank sent nothing for {read_s:g}s"))
             self.close()
