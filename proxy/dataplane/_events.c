@@ -523,7 +523,7 @@ static PyTypeObject ParserType = {
 
 /* -- a stream's common reads, relayed (proxy.dataplane.hold.pump) ------------ */
 
-/* Stream(parser, book, hold, transport, chunked, run, slow, rest,
+/* Stream(parser, book, transport, chunked, run, slow, rest,
  * armable, high_water, slack): what a Pump's data callback does with a read of the
  * original stream, with no Python frame for the common read: one whose
  * events are all common chunks (SSEParser.relay), while the book may take
@@ -535,33 +535,40 @@ static PyTypeObject ParserType = {
  * Python, through `run` (the request's context): the whole read to `slow`,
  * or, once relayed, the relay's result to `rest`, before anything is
  * changed. After each of Python's turns `armable()` says whether the next
- * read may be taken here (`armed`: Book.bytes_ok, the first byte out);
+ * read may be taken here (`armed`: Book.bytes_ok, the first byte out, no
+ * hold on; Hold.start clears it too, and a liveness that ejects the rank);
  * `drain` says a write found the client's buffer past `high_water`. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     Parser *parser;
-    PyObject *book, *hold, *transport, *run, *slow, *rest, *armable;
+    PyObject *book, *transport, *run, *slow, *rest, *armable;
+    /* The client's transport once known, and its methods a read calls (a
+     * connection's transport is never replaced: a gone client's says it is
+     * closing). */
+    PyObject *client, *is_closing, *write, *buffer_size;
     int chunked, wants_ids;
     char armed, drain; /* T_BOOL members */
     double heard_at;
     Py_ssize_t high_water, slack;
 } Stream;
 
-static PyObject *s_generated, *s_records, *s_cap, *s_since, *s_is_closing, *s_write,
-    *s_buffer_size;
+static PyObject *s_generated, *s_records, *s_cap, *s_is_closing, *s_write, *s_buffer_size;
 
 static int
 Stream_traverse(Stream *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->parser);
     Py_VISIT(self->book);
-    Py_VISIT(self->hold);
     Py_VISIT(self->transport);
     Py_VISIT(self->run);
     Py_VISIT(self->slow);
     Py_VISIT(self->rest);
     Py_VISIT(self->armable);
+    Py_VISIT(self->client);
+    Py_VISIT(self->is_closing);
+    Py_VISIT(self->write);
+    Py_VISIT(self->buffer_size);
     return 0;
 }
 
@@ -570,12 +577,15 @@ Stream_clear(Stream *self)
 {
     Py_CLEAR(self->parser);
     Py_CLEAR(self->book);
-    Py_CLEAR(self->hold);
     Py_CLEAR(self->transport);
     Py_CLEAR(self->run);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->rest);
     Py_CLEAR(self->armable);
+    Py_CLEAR(self->client);
+    Py_CLEAR(self->is_closing);
+    Py_CLEAR(self->write);
+    Py_CLEAR(self->buffer_size);
     return 0;
 }
 
@@ -593,16 +603,15 @@ static PyObject *Stream_call(PyObject *callable, PyObject *const *args, size_t n
 static PyObject *
 Stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *parser, *book, *hold, *transport, *run, *slow, *rest, *armable;
+    PyObject *parser, *book, *transport, *run, *slow, *rest, *armable;
     int chunked;
     Py_ssize_t high_water, slack;
     if (kwds && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Stream() takes no keyword arguments");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "O!OOOpOOOOnn:Stream", &ParserType, &parser, &book, &hold,
-                          &transport, &chunked, &run, &slow, &rest, &armable, &high_water,
-                          &slack))
+    if (!PyArg_ParseTuple(args, "O!OOpOOOOnn:Stream", &ParserType, &parser, &book, &transport,
+                          &chunked, &run, &slow, &rest, &armable, &high_water, &slack))
         return NULL;
     PyObject *wants = PyObject_GetAttrString(book, "wants_ids");
     int wants_ids = wants ? PyObject_IsTrue(wants) : -1;
@@ -615,7 +624,6 @@ Stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->vectorcall = Stream_call;
     self->parser = (Parser *)Py_NewRef(parser);
     self->book = Py_NewRef(book);
-    self->hold = Py_NewRef(hold);
     self->transport = Py_NewRef(transport);
     self->run = Py_NewRef(run);
     self->slow = Py_NewRef(slow);
@@ -655,24 +663,48 @@ python_turn(Stream *self, PyObject *fn, PyObject *arg)
     return result;
 }
 
-/* The client's transport, if it can take bytes: a new reference, or NULL
- * with no error set where it cannot (closed, closing, gone). */
-static PyObject *
+/* The client's transport and its methods, fetched once: 1, or 0 while
+ * there is none (the connection is gone), -1 an error. */
+static int
+known_client(Stream *self)
+{
+    if (self->client != NULL)
+        return 1;
+    PyObject *transport = PyObject_CallNoArgs(self->transport);
+    if (transport == NULL)
+        return -1;
+    if (transport == Py_None) {
+        Py_DECREF(transport);
+        return 0;
+    }
+    PyObject *closing = PyObject_GetAttr(transport, s_is_closing);
+    PyObject *write = closing ? PyObject_GetAttr(transport, s_write) : NULL;
+    PyObject *size = write ? PyObject_GetAttr(transport, s_buffer_size) : NULL;
+    if (size == NULL) {
+        Py_DECREF(transport);
+        Py_XDECREF(closing);
+        Py_XDECREF(write);
+        return -1;
+    }
+    self->client = transport;
+    self->is_closing = closing;
+    self->write = write;
+    self->buffer_size = size;
+    return 1;
+}
+
+/* Whether the client can take bytes: 1, 0 where it cannot (closed,
+ * closing, gone), -1 an error. */
+static int
 writable(Stream *self)
 {
-    PyObject *transport = PyObject_CallNoArgs(self->transport);
-    if (transport == NULL || transport == Py_None) {
-        Py_XDECREF(transport);
-        return NULL;
-    }
-    PyObject *closing = PyObject_CallMethodNoArgs(transport, s_is_closing);
+    int known = known_client(self);
+    if (known <= 0)
+        return known;
+    PyObject *closing = PyObject_CallNoArgs(self->is_closing);
     int yes = closing ? PyObject_IsTrue(closing) : -1;
     Py_XDECREF(closing);
-    if (yes != 0) {
-        Py_DECREF(transport);
-        return NULL;
-    }
-    return transport;
+    return yes < 0 ? -1 : !yes;
 }
 
 /* The ids and records into the book's lists, if within its room
@@ -742,7 +774,7 @@ hex_line(char *buf, Py_ssize_t n)
 /* The client's bytes of one read, as one HTTP chunk (or as they are, for an
  * HTTP/1.0 client); 1: the client is reading, 0: drain first. */
 static int
-send_out(Stream *self, PyObject *transport, PyObject *client)
+send_out(Stream *self, PyObject *client)
 {
     PyObject *data = client;
     Py_INCREF(data);
@@ -758,12 +790,12 @@ send_out(Stream *self, PyObject *transport, PyObject *client)
         memcpy(w + sn, PyBytes_AS_STRING(client), (size_t)n);
         memcpy(w + sn + n, "\r\n", 2);
     }
-    PyObject *done = PyObject_CallMethodOneArg(transport, s_write, data);
+    PyObject *done = PyObject_CallOneArg(self->write, data);
     Py_DECREF(data);
     if (done == NULL)
         return -1;
     Py_DECREF(done);
-    PyObject *size = PyObject_CallMethodNoArgs(transport, s_buffer_size);
+    PyObject *size = PyObject_CallNoArgs(self->buffer_size);
     if (size == NULL)
         return -1;
     Py_ssize_t buffered = PyLong_AsSsize_t(size);
@@ -782,14 +814,7 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
         return NULL;
     }
     PyObject *chunk = args[0];
-    if (!self->armed)
-        return python_turn(self, self->slow, chunk);
-    PyObject *since = PyObject_GetAttr(self->hold, s_since);
-    if (since == NULL)
-        return NULL;
-    int held = since != Py_None;
-    Py_DECREF(since);
-    if (held) /* a hold ends with what comes: Python's (Pump._relayed) */
+    if (!self->armed) /* a hold on (Hold.start disarms it), a full book, ... */
         return python_turn(self, self->slow, chunk);
     PyObject *generated = PyObject_GetAttr(self->book, s_generated);
     if (generated == NULL)
@@ -806,7 +831,8 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
     PyObject *client = PyTuple_GET_ITEM(relayed, 0), *ids = PyTuple_GET_ITEM(relayed, 1),
              *records = PyTuple_GET_ITEM(relayed, 2), *suspects = PyTuple_GET_ITEM(relayed, 3),
              *left = PyTuple_GET_ITEM(relayed, 4);
-    PyObject *result = NULL, *transport = NULL;
+    PyObject *result = NULL;
+    int can_write = 0;
     if (PyList_GET_SIZE(left) == 0 && PyBytes_GET_SIZE(client) == 0) {
         result = Py_NewRef(Py_True); /* no event ended in this read */
         goto done;
@@ -814,8 +840,8 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
     /* Events Python handles, a token that came alone without text (a
      * suspect), a client that cannot take bytes: Python's, untouched. */
     if (PyList_GET_SIZE(left) > 0 || PyList_GET_SIZE(suspects) > 0
-        || (transport = writable(self)) == NULL) {
-        if (PyErr_Occurred())
+        || (can_write = writable(self)) <= 0) {
+        if (can_write < 0)
             goto done;
         result = python_turn(self, self->rest, relayed);
         goto done;
@@ -830,14 +856,13 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
     struct timespec now;
     clock_gettime(MONOTONIC_CLOCK, &now);
     self->heard_at = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
-    int reading = send_out(self, transport, client);
+    int reading = send_out(self, client);
     if (reading < 0)
         goto done;
     if (!reading)
         self->drain = 1;
     result = Py_NewRef(reading ? Py_True : Py_False);
 done:
-    Py_XDECREF(transport);
     Py_DECREF(relayed);
     return result;
 }
@@ -1258,7 +1283,6 @@ PyInit__events(void)
     INTERN(s_generated, "generated");
     INTERN(s_records, "records");
     INTERN(s_cap, "cap");
-    INTERN(s_since, "since");
     INTERN(s_is_closing, "is_closing");
     INTERN(s_write, "write");
     INTERN(s_buffer_size, "get_write_buffer_size");

@@ -24,7 +24,6 @@ class Stream:
         self,
         parser: Parser,
         book: Any,
-        hold: Any,
         transport: Callable[[], Any],
         chunked: bool,
         run: Callable[..., bool],

@@ -163,6 +163,8 @@ class Hold:
         if self.since is not None:
             return
         self.since, self.reason = time.monotonic(), reason
+        if self.flow.stamp is not None:  # the hold ends with what comes: Python's
+            self.flow.stamp.armed = False
         if self.ctx.tracing is not None:
             self.span = self.ctx.tracing.start("hold", {"ftproxy.hold.reason": reason})
         self.ctx.held.now += 1

@@ -173,7 +173,6 @@ class Pump:
         fast = STREAM(
             parser,
             self.book,
-            self.hold,
             sink.transport,
             sink.chunked,
             run,
@@ -190,11 +189,13 @@ class Pump:
     def _armable(self) -> bool:
         """Whether the next read may be taken in compiled code: the book
         takes common chunks on bytes, the client has its first byte (so
-        nothing is due but the chunks: see _write_now), and the rank is in
-        rotation (an ejected one is back at its next event: Flow.heard)."""
+        nothing is due but the chunks: see _write_now), no hold is on (it
+        ends with what comes: _relayed), and the rank is in rotation (an
+        ejected one is back at its next event: Flow.heard)."""
         rank = self.flow.rank
         in_rotation = rank is None or rank.ejected is None
-        return not self.first_pending and self.book.bytes_ok() and in_rotation
+        ready = not self.first_pending and self.hold.since is None and in_rotation
+        return ready and self.book.bytes_ok()
 
     def _events(
         self, parser: EventParser, chunk: bytes, handle: Handle, original: bool
