@@ -36,6 +36,7 @@ static PyObject *too_large = NULL;
 static Py_ssize_t max_event = (Py_ssize_t)8 << 20;
 
 /* A growable byte buffer: the client's bytes of one read, or an unfinished event. */
+#define OUT_KEPT ((Py_ssize_t)64 << 10) /* a Stream's, kept from read to read up to this */
 typedef struct {
     char *p;
     Py_ssize_t len;
@@ -441,25 +442,24 @@ Parser_feed(Parser *self, PyObject *chunk)
     return split(self, chunk);
 }
 
-/* SSEParser.relay: (client bytes, ids, records, suspects, events left). */
+/* relay()'s work on one read, into lists and a buffer the caller gives:
+ * the ids, records and suspects of the common chunks it took, the client's
+ * bytes for them in `out`; returns the read's events (a new reference, or
+ * NULL on an error), of which the first *taken were taken. */
 static PyObject *
-relay(Parser *self, PyObject *chunk, Py_ssize_t k, int wants_ids)
+relay_into(Parser *self, PyObject *chunk, Py_ssize_t k, int wants_ids, Out *out, PyObject *ids,
+           PyObject *records, PyObject *suspects, Py_ssize_t *taken)
 {
     PyObject *events = split(self, chunk);
     if (events == NULL)
         return NULL;
-    PyObject *ids = PyList_New(0), *records = PyList_New(0), *suspects = PyList_New(0);
-    PyObject *rest = NULL, *client = NULL, *result = NULL;
-    Out out = {NULL, 0, 0};
     Py_ssize_t i, n = PyList_GET_SIZE(events);
-    if (ids == NULL || records == NULL || suspects == NULL)
-        goto done;
     for (i = 0; i < n; i++) {
         PyObject *event = PyList_GET_ITEM(events, i);
         Py_ssize_t got = 0;
-        int empty = 0, r = take(event, wants_ids, &out, ids, &got, &empty);
+        int empty = 0, r = take(event, wants_ids, out, ids, &got, &empty);
         if (r < 0)
-            goto done;
+            goto fail;
         if (r == 0)
             break;
         k += got;
@@ -468,25 +468,52 @@ relay(Parser *self, PyObject *chunk, Py_ssize_t k, int wants_ids)
         Py_XDECREF(at);
         if (record == NULL || PyList_Append(records, record) < 0) {
             Py_XDECREF(record);
-            goto done;
+            goto fail;
         }
         Py_DECREF(record);
         if (got == 1 && empty
             && PyList_Append(suspects, PyList_GET_ITEM(ids, PyList_GET_SIZE(ids) - 1)) < 0)
-            goto done;
+            goto fail;
     }
-    rest = PyList_GetSlice(events, i, n);
-    client = PyBytes_FromStringAndSize(out.p ? out.p : "", out.len);
+    *taken = i;
+    return events;
+fail:
+    Py_DECREF(events);
+    return NULL;
+}
+
+/* What relay() returns: (client bytes, ids, records, suspects, events left). */
+static PyObject *
+relayed_tuple(const Out *out, PyObject *ids, PyObject *records, PyObject *suspects,
+              PyObject *events, Py_ssize_t taken)
+{
+    PyObject *rest = PyList_GetSlice(events, taken, PyList_GET_SIZE(events));
+    PyObject *client = PyBytes_FromStringAndSize(out->p ? out->p : "", out->len);
+    PyObject *result = NULL;
     if (rest != NULL && client != NULL)
         result = PyTuple_Pack(5, client, ids, records, suspects, rest);
-done:
-    PyMem_Free(out.p);
     Py_XDECREF(client);
     Py_XDECREF(rest);
+    return result;
+}
+
+/* SSEParser.relay: (client bytes, ids, records, suspects, events left). */
+static PyObject *
+relay(Parser *self, PyObject *chunk, Py_ssize_t k, int wants_ids)
+{
+    PyObject *ids = PyList_New(0), *records = PyList_New(0), *suspects = PyList_New(0);
+    PyObject *events = NULL, *result = NULL;
+    Out out = {NULL, 0, 0};
+    Py_ssize_t taken = 0;
+    if (ids != NULL && records != NULL && suspects != NULL)
+        events = relay_into(self, chunk, k, wants_ids, &out, ids, records, suspects, &taken);
+    if (events != NULL)
+        result = relayed_tuple(&out, ids, records, suspects, events, taken);
+    PyMem_Free(out.p);
     Py_XDECREF(ids);
     Py_XDECREF(records);
     Py_XDECREF(suspects);
-    Py_DECREF(events);
+    Py_XDECREF(events);
     return result;
 }
 
@@ -547,6 +574,9 @@ typedef struct {
      * connection's transport is never replaced: a gone client's says it is
      * closing). */
     PyObject *client, *is_closing, *write, *buffer_size;
+    /* One read's common chunks (relay_into), kept from read to read: */
+    PyObject *ids, *records, *suspects;
+    Out out; /* their bytes for the client */
     int chunked, wants_ids;
     char armed, drain; /* T_BOOL members */
     double heard_at;
@@ -569,6 +599,9 @@ Stream_traverse(Stream *self, visitproc visit, void *arg)
     Py_VISIT(self->is_closing);
     Py_VISIT(self->write);
     Py_VISIT(self->buffer_size);
+    Py_VISIT(self->ids);
+    Py_VISIT(self->records);
+    Py_VISIT(self->suspects);
     return 0;
 }
 
@@ -586,6 +619,9 @@ Stream_clear(Stream *self)
     Py_CLEAR(self->is_closing);
     Py_CLEAR(self->write);
     Py_CLEAR(self->buffer_size);
+    Py_CLEAR(self->ids);
+    Py_CLEAR(self->records);
+    Py_CLEAR(self->suspects);
     return 0;
 }
 
@@ -594,6 +630,7 @@ Stream_dealloc(Stream *self)
 {
     PyObject_GC_UnTrack(self);
     Stream_clear(self);
+    PyMem_Free(self->out.p);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -633,6 +670,13 @@ Stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->wants_ids = wants_ids;
     self->high_water = high_water;
     self->slack = slack;
+    self->ids = PyList_New(0);
+    self->records = PyList_New(0);
+    self->suspects = PyList_New(0);
+    if (self->ids == NULL || self->records == NULL || self->suspects == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
     return (PyObject *)self;
 }
 
@@ -771,24 +815,27 @@ hex_line(char *buf, Py_ssize_t n)
     return k + 2;
 }
 
-/* The client's bytes of one read, as one HTTP chunk (or as they are, for an
- * HTTP/1.0 client); 1: the client is reading, 0: drain first. */
+/* The client's bytes of one read (`out`), as one HTTP chunk (or as they
+ * are, for an HTTP/1.0 client); 1: the client is reading, 0: drain first. */
 static int
-send_out(Stream *self, PyObject *client)
+send_out(Stream *self)
 {
-    PyObject *data = client;
-    Py_INCREF(data);
+    Py_ssize_t n = self->out.len;
+    PyObject *data;
     if (self->chunked) {
-        Py_ssize_t n = PyBytes_GET_SIZE(client);
         char size[20];
         int sn = hex_line(size, n);
-        Py_SETREF(data, PyBytes_FromStringAndSize(NULL, sn + n + 2));
+        data = PyBytes_FromStringAndSize(NULL, sn + n + 2);
         if (data == NULL)
             return -1;
         char *w = PyBytes_AS_STRING(data);
         memcpy(w, size, (size_t)sn);
-        memcpy(w + sn, PyBytes_AS_STRING(client), (size_t)n);
+        memcpy(w + sn, self->out.p, (size_t)n);
         memcpy(w + sn + n, "\r\n", 2);
+    } else {
+        data = PyBytes_FromStringAndSize(self->out.p, n);
+        if (data == NULL)
+            return -1;
     }
     PyObject *done = PyObject_CallOneArg(self->write, data);
     Py_DECREF(data);
@@ -803,6 +850,26 @@ send_out(Stream *self, PyObject *client)
     if (buffered == -1 && PyErr_Occurred())
         return -1;
     return buffered <= self->high_water;
+}
+
+/* The read, relayed, to Python (`rest`): what relay() returns, its lists
+ * copies of the scratch ones, which the next read empties. */
+static PyObject *
+to_python(Stream *self, PyObject *events, Py_ssize_t taken)
+{
+    PyObject *ids = PyList_GetSlice(self->ids, 0, PY_SSIZE_T_MAX);
+    PyObject *records = ids ? PyList_GetSlice(self->records, 0, PY_SSIZE_T_MAX) : NULL;
+    PyObject *suspects = records ? PyList_GetSlice(self->suspects, 0, PY_SSIZE_T_MAX) : NULL;
+    PyObject *relayed = NULL, *result = NULL;
+    if (suspects != NULL)
+        relayed = relayed_tuple(&self->out, ids, records, suspects, events, taken);
+    if (relayed != NULL)
+        result = python_turn(self, self->rest, relayed);
+    Py_XDECREF(ids);
+    Py_XDECREF(records);
+    Py_XDECREF(suspects);
+    Py_XDECREF(relayed);
+    return result;
 }
 
 static PyObject *
@@ -825,45 +892,55 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
         PyErr_SetString(PyExc_TypeError, "the book's generated must be a list");
         return NULL;
     }
-    PyObject *relayed = relay(self->parser, chunk, base, self->wants_ids);
-    if (relayed == NULL)
+    /* The scratch lists emptied (a list slice assignment keeps its room). */
+    if (PyList_SetSlice(self->ids, 0, PY_SSIZE_T_MAX, NULL) < 0
+        || PyList_SetSlice(self->records, 0, PY_SSIZE_T_MAX, NULL) < 0
+        || PyList_SetSlice(self->suspects, 0, PY_SSIZE_T_MAX, NULL) < 0)
         return NULL;
-    PyObject *client = PyTuple_GET_ITEM(relayed, 0), *ids = PyTuple_GET_ITEM(relayed, 1),
-             *records = PyTuple_GET_ITEM(relayed, 2), *suspects = PyTuple_GET_ITEM(relayed, 3),
-             *left = PyTuple_GET_ITEM(relayed, 4);
+    self->out.len = 0;
+    Py_ssize_t taken = 0;
+    PyObject *events = relay_into(self->parser, chunk, base, self->wants_ids, &self->out,
+                                  self->ids, self->records, self->suspects, &taken);
+    if (events == NULL)
+        return NULL;
     PyObject *result = NULL;
     int can_write = 0;
-    if (PyList_GET_SIZE(left) == 0 && PyBytes_GET_SIZE(client) == 0) {
+    if (PyList_GET_SIZE(events) == 0) {
         result = Py_NewRef(Py_True); /* no event ended in this read */
         goto done;
     }
     /* Events Python handles, a token that came alone without text (a
      * suspect), a client that cannot take bytes: Python's, untouched. */
-    if (PyList_GET_SIZE(left) > 0 || PyList_GET_SIZE(suspects) > 0
+    if (taken < PyList_GET_SIZE(events) || PyList_GET_SIZE(self->suspects) > 0
         || (can_write = writable(self)) <= 0) {
         if (can_write < 0)
             goto done;
-        result = python_turn(self, self->rest, relayed);
+        result = to_python(self, events, taken);
         goto done;
     }
-    int counted = count(self, ids, records);
+    int counted = count(self, self->ids, self->records);
     if (counted < 0)
         goto done;
     if (counted == 0) { /* past the book's room: Python refuses it (Overrun) */
-        result = python_turn(self, self->rest, relayed);
+        result = to_python(self, events, taken);
         goto done;
     }
     struct timespec now;
     clock_gettime(MONOTONIC_CLOCK, &now);
     self->heard_at = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
-    int reading = send_out(self, client);
+    int reading = send_out(self);
     if (reading < 0)
         goto done;
     if (!reading)
         self->drain = 1;
     result = Py_NewRef(reading ? Py_True : Py_False);
 done:
-    Py_DECREF(relayed);
+    Py_DECREF(events);
+    if (self->out.cap > OUT_KEPT) { /* a large read's buffer is not kept */
+        PyMem_Free(self->out.p);
+        self->out.p = NULL;
+        self->out.len = self->out.cap = 0;
+    }
     return result;
 }
 
