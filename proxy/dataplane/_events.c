@@ -754,15 +754,14 @@ writable(Stream *self)
 /* The ids and records into the book's lists, if within its room
  * (Book._room): 1 taken, 0 no room (nothing changed), -1 an error. */
 static int
-count(Stream *self, PyObject *ids, PyObject *records)
+count(Stream *self, PyObject *generated, PyObject *ids, PyObject *records)
 {
     int r = -1;
-    PyObject *generated = PyObject_GetAttr(self->book, s_generated);
     PyObject *kept = PyObject_GetAttr(self->book, s_records);
     PyObject *capo = PyObject_GetAttr(self->book, s_cap);
-    if (generated == NULL || kept == NULL || capo == NULL)
+    if (kept == NULL || capo == NULL)
         goto done;
-    if (!PyList_Check(generated) || !PyList_Check(kept)) {
+    if (!PyList_Check(kept)) {
         PyErr_SetString(PyExc_TypeError, "the book's generated and records must be lists");
         goto done;
     }
@@ -789,7 +788,6 @@ count(Stream *self, PyObject *ids, PyObject *records)
             ? -1
             : 1;
 done:
-    Py_XDECREF(generated);
     Py_XDECREF(kept);
     Py_XDECREF(capo);
     return r;
@@ -886,25 +884,27 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
     PyObject *generated = PyObject_GetAttr(self->book, s_generated);
     if (generated == NULL)
         return NULL;
-    Py_ssize_t base = PyList_Check(generated) ? PyList_GET_SIZE(generated) : -1;
-    Py_DECREF(generated);
-    if (base < 0) {
+    if (!PyList_Check(generated)) {
+        Py_DECREF(generated);
         PyErr_SetString(PyExc_TypeError, "the book's generated must be a list");
         return NULL;
     }
+    Py_ssize_t base = PyList_GET_SIZE(generated);
     /* The scratch lists emptied (a list slice assignment keeps its room). */
     if (PyList_SetSlice(self->ids, 0, PY_SSIZE_T_MAX, NULL) < 0
         || PyList_SetSlice(self->records, 0, PY_SSIZE_T_MAX, NULL) < 0
-        || PyList_SetSlice(self->suspects, 0, PY_SSIZE_T_MAX, NULL) < 0)
+        || PyList_SetSlice(self->suspects, 0, PY_SSIZE_T_MAX, NULL) < 0) {
+        Py_DECREF(generated);
         return NULL;
+    }
     self->out.len = 0;
     Py_ssize_t taken = 0;
     PyObject *events = relay_into(self->parser, chunk, base, self->wants_ids, &self->out,
                                   self->ids, self->records, self->suspects, &taken);
-    if (events == NULL)
-        return NULL;
     PyObject *result = NULL;
     int can_write = 0;
+    if (events == NULL)
+        goto done;
     if (PyList_GET_SIZE(events) == 0) {
         result = Py_NewRef(Py_True); /* no event ended in this read */
         goto done;
@@ -918,7 +918,7 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
         result = to_python(self, events, taken);
         goto done;
     }
-    int counted = count(self, self->ids, self->records);
+    int counted = count(self, generated, self->ids, self->records);
     if (counted < 0)
         goto done;
     if (counted == 0) { /* past the book's room: Python refuses it (Overrun) */
@@ -935,7 +935,8 @@ Stream_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
         self->drain = 1;
     result = Py_NewRef(reading ? Py_True : Py_False);
 done:
-    Py_DECREF(events);
+    Py_DECREF(generated);
+    Py_XDECREF(events);
     if (self->out.cap > OUT_KEPT) { /* a large read's buffer is not kept */
         PyMem_Free(self->out.p);
         self->out.p = NULL;
