@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import pytest
+import trustme
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -660,6 +662,53 @@ async def test_a_stream_read_in_compiled_code_is_heard_by_the_silence_timer(rank
     with pytest.raises(ReadTimeout):
         await asyncio.wait_for(resp.read(), 5)
     await client.close()
+
+
+async def test_a_closed_paused_tls_answer_gets_no_more_bytes() -> None:
+    """Closing a paused answer resumes its connection and closes it; asyncio's
+    TLS transport then hands what the SSL object holds to the protocol's
+    data_received at once, which must not be the compiled Reader of the
+    closed answer's body (it fed the bytes into it) but the connection's own,
+    which drops them: the answer has no response any more."""
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    part = b"10000\r\n" + b"z" * 0x10000 + b"\r\n"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await read_request(reader)
+            writer.write(head)
+            for _ in range(64):  # far more than the client buffers before it pauses
+                writer.write(part)
+                await writer.drain()
+            await reader.read()
+        except (ConnectionError, ssl.SSLError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_ctx)
+    port = server.sockets[0].getsockname()[1]
+    client = RankClient(connect_s=1, read_s=5, idle_s=5, tls=client_ctx)
+    try:
+        url = URL(f"https://127.0.0.1:{port}/v1/completions")
+        resp = await client.request("POST", url, CIMultiDict(), b"{}")
+        await asyncio.sleep(0.5)
+        assert resp._paused, "the test needs the answer paused (a reader behind)"
+        resp._buf.clear()  # what came before the close: not the point
+        resp._buffered = 0
+        resp.close()
+        await asyncio.sleep(0.2)
+        assert resp._buffered == 0 and not resp._buf, resp._buffered
+    finally:
+        await client.close()
+        server.close()
 
 
 async def test_a_pooled_connection_judges_each_answer_from_its_own_sending(rank) -> None:

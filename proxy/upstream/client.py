@@ -411,6 +411,9 @@ class _Conn(asyncio.Protocol):
             resp, self.response = self.response, None
             if resp is not None and not resp.complete:
                 resp._fail(RankConnectionError("the connection to the rank was closed mid-answer"))
+            # Before the close: asyncio's TLS transport hands what it holds to
+            # data_received as it closes, which must find no response (dropped).
+            self._read_in_python()
             if self.transport is not None:
                 self.transport.close()
             self.pool._lost(self)
