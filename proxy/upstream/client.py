@@ -146,12 +146,14 @@ class _Conn(asyncio.Protocol):
         self.transport.set_protocol(self)
 
     def _read_in_python(self) -> None:
+        """The class's data_received reads again (a closed transport reads
+        nothing more: uvloop's need not be told)."""
         reader, self.reader = self.reader, None
         if reader is None:
             return
         self.last_read = max(self.last_read, reader.read_at)
         del self.__dict__["data_received"]
-        if self.transport is not None:
+        if self.transport is not None and not self.closed:
             self.transport.set_protocol(self)
 
     def _rest_by_llhttp(self, rest: bytes) -> None:
@@ -234,8 +236,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.reader = None  # which holds the response and this connection
-        self.__dict__.pop("data_received", None)
+        self._read_in_python()  # its Reader holds the response and this connection
         self._stop_timers()
         self.pool._lost(self)
         resp, self.response = self.response, None
