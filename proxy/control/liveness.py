@@ -5,9 +5,11 @@ stopped or deadlocked engine core that still reports ``healthy``) would be
 routed to until each of its requests timed out. The relay tells this module
 when it sends a request (:meth:`Liveness.sent`) and when the rank shows
 progress on it (:meth:`Ticket.heard`: a whole answer, each event of a
-stream). A rank is *silent* when it has streams in flight (asked for, or
-answered, as ``text/event-stream``) and neither they nor anything else it
-answered showed progress within its bound.
+stream; events relayed in compiled code are stamped instead, and read at
+each tick: :class:`proxy.control.ranks.Stamp`). A rank is *silent* when it
+has streams in flight (asked for, or answered, as ``text/event-stream``)
+and neither they nor anything else it answered showed progress within its
+bound.
 
 The bound is what keeps a slow prefill in rotation: ``liveness.silence_s``
 plus ``liveness.silence_per_mib_s`` for every MiB of request body on the rank
