@@ -762,7 +762,7 @@ count(Stream *self, PyObject *generated, PyObject *ids, PyObject *records)
     if (kept == NULL || capo == NULL)
         goto done;
     if (!PyList_Check(kept)) {
-        PyErr_SetString(PyExc_TypeError, "the book's generated and records must be lists");
+        PyErr_SetString(PyExc_TypeError, "the book's records must be a list");
         goto done;
     }
     /* The cap is the client's (max_tokens x n x prompts): any int. Past a

@@ -97,11 +97,11 @@ class Flow:
         self.rank, self.upstream, self.ticket = attempt.rank, attempt.response, attempt.ticket
         attempt.ticket.quiet_since = self.silent_since
 
-    def heard(self, now: float | None = None) -> None:
+    def heard(self) -> None:
         """An event from the upstream."""
-        self.last_event = at = time.monotonic() if now is None else now
+        self.last_event = now = time.monotonic()
         if self.ticket is not None:
-            self.ticket.heard(at)
+            self.ticket.heard(now)
 
     def stamped(self, stamp: Stamp) -> None:
         """The upstream's events are stamped by ``stamp`` from now on: its
