@@ -75,7 +75,7 @@ class _Reply:
     async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
         raise NotImplementedError
 
-    async def close_stream(self) -> None:
+    async def close_stream(self, last: bytes = b"") -> None:
         pass
 
     def abort(self) -> None:

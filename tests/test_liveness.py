@@ -507,7 +507,7 @@ class _Blocked:
         self.written += 1
         await self.gate.wait()
 
-    async def close_stream(self) -> None:
+    async def close_stream(self, last: bytes = b"") -> None:
         pass
 
     def abort(self) -> None:

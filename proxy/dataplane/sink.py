@@ -53,7 +53,10 @@ class Reply(Protocol):
 
     async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink: ...
 
-    async def close_stream(self) -> None: ...
+    async def close_stream(self, last: bytes = b"") -> None:
+        """End the stream, ``last`` (its last events, if any) in the same
+        write: one segment to the client, not two."""
+        ...
 
     def abort(self) -> None:
         """End an answer begun at once, without its end: the client sees it cut."""

@@ -99,8 +99,8 @@ class _HeadReply:
     async def open_stream(self, status: int, headers: CIMultiDict[str]) -> Sink:
         return await self.reply.open_stream(status, headers)
 
-    async def close_stream(self) -> None:
-        await self.reply.close_stream()
+    async def close_stream(self, last: bytes = b"") -> None:
+        await self.reply.close_stream(last)
 
     def abort(self) -> None:
         self.reply.abort()

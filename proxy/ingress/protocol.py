@@ -787,9 +787,14 @@ class ConnReply:
             self.entry.stream = self  # ended well if the drain cuts it (drain.end_cut)
         return sink
 
-    async def close_stream(self) -> None:
-        if not self._bodiless and not self._raw:
-            self.conn.write(b"0\r\n\r\n")
+    async def close_stream(self, last: bytes = b"") -> None:
+        if self._bodiless:
+            return
+        if self._raw:  # the connection's close ends it
+            if last:
+                self.conn.write(last)
+            return
+        self.conn.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last) if last else b"0\r\n\r\n")
 
     def abort(self) -> None:
         self.keep_alive = False

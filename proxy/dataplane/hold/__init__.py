@@ -71,35 +71,42 @@ class HeldStream:
         self.metrics = ctx.metrics
 
     async def run(
-        self, first: Attempt | None, close: Callable[[], Awaitable[None]] | None = None
+        self, first: Attempt | None, close: Callable[[bytes], Awaitable[None]] | None = None
     ) -> None:
         """Relay ``first`` to the end; with None, start by continuing.
-        ``close`` ends the client's stream right after its ``[DONE]``: the
-        client has its end before the stream's bookkeeping, not after it."""
+        ``close`` ends the client's stream with its last events and ``[DONE]``
+        in one write: the client has its end before the stream's bookkeeping,
+        not after it."""
         watchdog = asyncio.create_task(self.hold.watch(self.pump.keepalive))
         try:
-            await self._relay_until_done(first)
-            if close is not None:
-                await close()
+            last = await self._relay_until_done(first)
+            if close is None:
+                await self.pump.write(last)
+            else:
+                await self.pump.finish(close, last)
         finally:
+            self.pump.write_tail()  # unless written with the end
             watchdog.cancel()
             self.hold.end(None)
             self.metrics.continuations.observe(self.continuer.continuations)
             if self.flow.upstream is not None:
                 self.flow.upstream.close()
 
-    async def _relay_until_done(self, attempt: Attempt | None) -> None:
+    async def _relay_until_done(self, attempt: Attempt | None) -> bytes:
+        """Relay until the answer ends; its last events, ``[DONE]`` the
+        last of them, are returned to be written with the stream's end."""
         try:
             await self._relay_or_start_over(attempt)
         except StreamFailed as e:
             log.warning("[%s] stream ends with an error: %s", self.out.request_id, e)
             self.metrics.stream_errors.labels(e.code).inc()
             self.hold.ended(ENDS.get(e.code, End.UPSTREAM_ERROR))
-            await self._write_all(self.book.closing())
-            await self.pump.write(event(orjson.dumps(error_body(str(e), "server_error", e.code))))
+            closing = self.book.closing()
+            closing.append(orjson.dumps(error_body(str(e), "server_error", e.code)))
         else:
-            await self._write_all(self.book.closing())
-        await self.pump.write(event(DONE))
+            closing = self.book.closing()
+        closing.append(DONE)
+        return self.pump.take_tail() + b"".join([event(data) for data in closing])
 
     async def _write_all(self, events: list[bytes]) -> None:
         for data in events:

@@ -7,6 +7,7 @@ bookkeeping), writes them, and says how the upstream ended; a fault it sees
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -61,6 +62,9 @@ class Pump:
         self.request_id, self.access = hold.request_id, hold.access
         # Cleared at the first event the client gets: its time to first token.
         self.first_pending = self.access is not None and not isinstance(sink, Collector)
+        # The events of the read that finished the answer: written with its
+        # end, in one write (HeldStream.run takes them), not one write each.
+        self.tail = b""
 
     async def pump(self, attempt: Attempt, handle: Handle) -> PumpEnd:
         """Relay one upstream's events; say how it ended."""
@@ -106,7 +110,10 @@ class Pump:
         def sent(out: list[bytes], end: PumpEnd | None) -> bool:
             nonlocal outcome, drain
             outcome = end
-            if out and not self._write_now(b"".join(out)):
+            if out and end is PumpEnd.FINISHED:  # nothing comes between them and the end
+                self.tail = b"".join(out)
+                self._first_byte(self.tail)
+            elif out and not self._write_now(b"".join(out)):
                 drain = True
             return outcome is None and not drain
 
@@ -281,6 +288,22 @@ class Pump:
 
     async def keepalive(self) -> None:
         await self.write(KEEPALIVE)
+
+    async def finish(self, close: Callable[[bytes], Awaitable[None]], last: bytes) -> None:
+        """Write ``last`` with the stream's end (``close``, the reply's): one write."""
+        self._first_byte(last)
+        await self._waiting(close(last))
+
+    def take_tail(self) -> bytes:
+        tail, self.tail = self.tail, b""
+        return tail
+
+    def write_tail(self) -> None:
+        """The stream ends before its end was written (cancelled: the proxy
+        stops): the events it has go out first, as they would have."""
+        if tail := self.take_tail():
+            with contextlib.suppress(ConnectionError):
+                self.sink.write_now(tail)
 
     def _write_now(self, data: bytes) -> bool:
         """As :meth:`write`, from a data callback; False: drain the sink first."""
