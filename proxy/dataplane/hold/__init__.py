@@ -25,7 +25,6 @@ requests. :class:`HeldStream` drives them to the stream's end.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -77,7 +76,7 @@ class HeldStream:
         ``close`` ends the client's stream with its last events and ``[DONE]``
         in one write: the client has its end before the stream's bookkeeping,
         not after it."""
-        watchdog = asyncio.create_task(self.hold.watch(self.pump.keepalive))
+        self.hold.watch(self.pump.keepalive)
         try:
             last = await self._relay_until_done(first)
             if close is None:
@@ -86,7 +85,7 @@ class HeldStream:
                 await self.pump.finish(close, last)
         finally:
             self.pump.write_tail()  # unless written with the end
-            watchdog.cancel()
+            self.hold.unwatch()
             self.hold.end(None)
             self.metrics.continuations.observe(self.continuer.continuations)
             if self.flow.upstream is not None:

@@ -286,8 +286,13 @@ class Pump:
         self._first_byte(data)
         await self._waiting(self.sink.write(data))
 
-    async def keepalive(self) -> None:
-        await self.write(KEEPALIVE)
+    def keepalive(self) -> None:
+        """A held client's keepalive, from the hold's watchdog (a timer): no
+        waiting on the client for a comment of a few bytes a second."""
+        try:
+            self.sink.write_now(KEEPALIVE)
+        finally:
+            self.flow.last_event = time.monotonic()
 
     async def finish(self, close: Callable[[bytes], Awaitable[None]], last: bytes) -> None:
         """Write ``last`` with the stream's end (``close``, the reply's): one write."""
