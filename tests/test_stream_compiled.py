@@ -257,6 +257,20 @@ def test_ids_past_the_budget_are_refused_either_way(monkeypatch: pytest.MonkeyPa
     assert fast.end == "StreamFailed" and len(fast.book[0]) == 5
 
 
+@pytest.mark.parametrize("digits", [19, 21, 4400])
+def test_an_id_longer_than_any_vocabulary_s_is_the_json_parser_s(
+    digits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token id of more digits than any vocabulary's (past 4300 int()
+    refuses it): neither path takes it on bytes; the chunk is the JSON
+    parser's, as any other odd chunk, and the stream goes on. No exception."""
+    body = {"prompt": "p", "max_tokens": 5, "stream": True}
+    reads = _by_event(_stream(3, 0, ["a"], False))
+    reads[1] = reads[1].replace(b'"token_ids":[', b'"token_ids":[' + b"9" * digits + b",")
+    assert sse.take_chunk(reads[1][6:-2], True) is None  # not on bytes
+    assert _same(reads, body, monkeypatch).end == "finished"
+
+
 @pytest.mark.parametrize("budget", [2**31, 2**62, 2**63, 2**64 - 1])
 def test_a_budget_past_a_machine_word_is_room_enough(
     budget: int, monkeypatch: pytest.MonkeyPatch

@@ -282,7 +282,9 @@ split(Parser *self, PyObject *chunk)
 /* -- the common chunk on bytes (sse.take_chunk) ----------------------------- */
 
 /* Token ids: plain decimal digits, comma-separated, or none. -1: anything
- * else (Python parses the chunk). */
+ * else (Python parses the chunk), a number of more than MAX_ID_DIGITS too
+ * (no vocabulary is that large; JSON's parser judges it, as sse._ids says). */
+#define MAX_ID_DIGITS 18
 static Py_ssize_t
 check_ids(const char *p, Py_ssize_t n)
 {
@@ -296,7 +298,8 @@ check_ids(const char *p, Py_ssize_t n)
             ids++;
             digits = 0;
         } else if (p[i] >= '0' && p[i] <= '9') {
-            digits++;
+            if (++digits > MAX_ID_DIGITS)
+                return -1;
         } else {
             return -1;
         }
@@ -304,21 +307,14 @@ check_ids(const char *p, Py_ssize_t n)
     return ids;
 }
 
+/* One of check_ids' numbers: at most MAX_ID_DIGITS digits, so a long long. */
 static PyObject *
 parse_id(const char *p, Py_ssize_t n)
 {
-    if (n <= 18) {
-        long long v = 0;
-        for (Py_ssize_t i = 0; i < n; i++)
-            v = v * 10 + (p[i] - '0');
-        return PyLong_FromLongLong(v);
-    }
-    PyObject *s = PyUnicode_FromStringAndSize(p, n); /* a big one: Python's int */
-    if (s == NULL)
-        return NULL;
-    PyObject *v = PyLong_FromUnicodeObject(s, 10);
-    Py_DECREF(s);
-    return v;
+    long long v = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        v = v * 10 + (p[i] - '0');
+    return PyLong_FromLongLong(v);
 }
 
 /* What take() looks for in a chunk, found in one pass: every pattern begins

@@ -167,15 +167,25 @@ def take_chunk(data: bytes, wants_ids: bool) -> tuple[bytes, list[int], bool] | 
     return take_ids(data, wants_ids) if common_chunk(data) else None
 
 
+# No vocabulary has ids of more digits; a longer number is the JSON parser's
+# to judge (past 4300 digits int() refuses it, past 64 bits orjson does).
+MAX_ID_DIGITS = 18
+
+
 def _ids(inner: bytes) -> list[int] | None:
     """Comma-separated decimal ids; None for anything else (a sign, spaces,
-    an empty item): the JSON parser judges those."""
+    an empty item, a number of more than MAX_ID_DIGITS): the JSON parser
+    judges those."""
     if b"," not in inner:
         if not inner:
             return []
-        return [int(inner)] if inner.isdigit() else None
+        return [int(inner)] if _an_id(inner) else None
     items = inner.split(b",")
-    return [int(x) for x in items] if all(x.isdigit() for x in items) else None
+    return [int(x) for x in items] if all(_an_id(x) for x in items) else None
+
+
+def _an_id(item: bytes) -> bool:
+    return item.isdigit() and len(item) <= MAX_ID_DIGITS
 
 
 def _compiled() -> ModuleType | None:
