@@ -248,6 +248,9 @@ class Hold:
         self._arm()
 
     def unwatch(self) -> None:
+        # The keepalive is the pump's bound method and the pump holds this
+        # hold: dropped here, stream and connection go with their last reference.
+        self._keepalive = _no_keepalive
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
