@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.upstream import client
-from proxy.upstream.client import RankClient, RankResponse, _Conn
+from proxy.upstream.client import MAX_HEAD, RankClient, RankResponse, _Conn
 
 pytestmark = pytest.mark.skipif(client.DECHUNKER is None, reason="built without a C compiler")
 
@@ -189,6 +189,47 @@ def test_plain_streams_in_any_reads_come_out_whole(chunks: list[bytes], cuts: li
     out = _same(_split(HEAD + body, cuts))
     assert b"".join(out.bodies) == b"".join(chunks)
     assert out.complete and out.pooled
+
+
+_NO_BODY = {  # MAX_HEAD + n bytes with no body byte, and the answer's end
+    "extension": lambda n: b"0;" + b"a" * (MAX_HEAD + n - 2) + b"\r\n\r\n",
+    "trailer": lambda n: b"0\r\nX-T: " + b"a" * (MAX_HEAD + n - 8) + b"\r\n\r\n",
+    "digits": lambda n: b"0" * 15 + b";" + b"a" * (MAX_HEAD + n - 16) + b"\r\n\r\n",
+}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(_data, max_size=3),
+    st.sampled_from(sorted(_NO_BODY)),
+    st.integers(-24, 24),
+    st.data(),
+)
+def test_the_bound_on_reads_without_a_body_byte_is_llhttp_s_to_the_byte(
+    chunks: list[bytes], kind: str, n: int, data: st.DataObject
+) -> None:
+    """Reads with no body byte, over MAX_HEAD bytes in all, fail the answer:
+    with the decoder counted as llhttp alone counts them, whatever the split
+    (a data's CRLF in a read of its own, a size line's digits in the read of
+    data before it, the head's read)."""
+    body = HEAD + b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in chunks)
+    whole = body + _NO_BODY[kind](n)
+    # Cuts anywhere, and near where the body's data ends and the long line begins.
+    near = st.integers(-6, 20).map(lambda d: len(body) + d)
+    cuts = data.draw(st.lists(st.integers(0, len(whole)) | near, max_size=6))
+    _same(_split(whole, cuts))
+
+
+@pytest.mark.parametrize(
+    "reads",
+    [  # the data's CRLF alone: a read with no body byte, counted
+        [HEAD + b"3\r\nabc", b"\r\n", b"0;" + b"a" * (MAX_HEAD - 2), b"\r\n\r\n"],
+        # a size line's digits read with data, then handed on with the next read: counted once
+        [HEAD + b"3\r\nabc\r\n" + b"0" * 15, b";" + b"a" * (MAX_HEAD - 5), b"\r\n\r\n"],
+    ],
+)
+def test_reads_without_a_body_byte_at_the_bound(reads: list[bytes]) -> None:
+    _same(reads)
 
 
 def test_the_decoder_reads_a_plain_stream_from_its_first_byte() -> None:

@@ -44,6 +44,10 @@ typedef struct {
     char line[MAX_DIGITS + 1]; /* the size line so far: handed back with the rest */
     Py_ssize_t line_len;
     Py_ssize_t left;
+    /* The reads with no data byte since the last one with some, in bytes, as
+     * llhttp alone counts them (client._Conn.dry): each read counts whole,
+     * the one handed on too, which is not llhttp's to count again. */
+    Py_ssize_t dry;
 } Dechunker;
 
 static int
@@ -163,6 +167,9 @@ decode(Dechunker *self, PyObject *arg)
             break;
         }
     }
+    /* A read of a few bytes at most between two data bytes (a size line is
+     * at most 15 digits): no bound needed here, only the count handed on. */
+    self->dry = w > 0 ? 0 : self->dry + n;
     if (w < n && _PyBytes_Resize(&body, w) < 0)
         return NULL;
     return result(body, self, handoff, handoff == NULL ? 0 : n - (handoff - p));
@@ -384,6 +391,12 @@ static PyGetSetDef Dechunker_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyMemberDef Dechunker_members[] = {
+    {"dry", T_PYSSIZET, offsetof(Dechunker, dry), 0,
+     "Bytes of the reads since the last data byte, this one whole (set: where it starts)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject DechunkerType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.upstream._framing.Dechunker",
     .tp_basicsize = sizeof(Dechunker),
@@ -392,6 +405,7 @@ static PyTypeObject DechunkerType = {
     .tp_new = PyType_GenericNew,
     .tp_methods = Dechunker_methods,
     .tp_getset = Dechunker_getset,
+    .tp_members = Dechunker_members,
 };
 
 static struct PyModuleDef module = {

@@ -11,6 +11,7 @@ class Dechunker:
     def at_boundary(self) -> bool: ...
     @property
     def broken(self) -> bool: ...
+    dry: int
 
 class Reader:
     def __init__(

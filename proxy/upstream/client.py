@@ -200,7 +200,10 @@ class _Conn(asyncio.Protocol):
                 resp._fail(BadResponse(f"the rank's answer head is over {MAX_HEAD} bytes"))
                 self.close()
         elif had_head and not resp.complete:
-            self.dry = 0 if self.body_read else self.dry + len(data)
+            # After the decoder, its count: the read it handed on counts whole
+            # (as llhttp alone counts it), not the rest, nor a size line twice.
+            dry = self.dry + len(data) if chunks is None else chunks.dry
+            self.dry = 0 if self.body_read else dry
             if self.dry > MAX_HEAD:
                 what = f"over {MAX_HEAD} bytes without a body byte (chunk framing, trailers)"
                 resp._fail(BadResponse(f"the rank sent {what}"))
@@ -227,6 +230,8 @@ class _Conn(asyncio.Protocol):
             # llhttp stopped at the head's end with nothing of the body read
             # (a size line, whatever it held, would have been reported).
             self.chunks = DECHUNKER()
+            # This read counts toward the head's bound, as with llhttp alone.
+            self.chunks.dry = -len(rest)
             self._read_directly()
             if rest:
                 self.data_received(rest)  # the body's first bytes: the decoder's
