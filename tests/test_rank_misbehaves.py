@@ -117,6 +117,71 @@ async def test_an_event_without_end_is_bounded_and_ends_the_stream_with_an_error
     assert flood.sent < 32 << 20, "the proxy kept reading an event that never ends"
 
 
+ABORTED = (
+    b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+    b'"text":"","token_ids":[],"finish_reason":"abort"}],"usage":{"prompt_tokens":3,'
+    b'"completion_tokens":0,"total_tokens":3}}'
+)
+# Events a rank of vLLM's never sends, each where the book would read it.
+_NOT_VLLM = [
+    b"not json",
+    b"[1, 2]",
+    b'{"choices": "x"}',
+    b'{"choices": [5]}',
+    b'{"choices": [{"index": 0, "text": 5, "token_ids": [7]}]}',
+    b'{"choices": [{"index": 0, "text": "y", "token_ids": "789"}]}',
+    b'{"choices": [{"index": 0, "text": "y", "token_ids": [7.5]}]}',
+    b'{"choices": [{"index": 0, "text": "y", "token_ids": [true]}]}',
+    b'{"choices": [{"index": 0, "text": "y", "token_ids": [1000000000000000000000]}]}',
+    b'{"choices": [{"index": 0, "text": "y", "token_ids": [7], "finish_reason": 1}]}',
+    b'{"choices": [{"index": 0, "text": "y", "token_ids": [7]}], "prompt_token_ids": "12"}',
+    b'{"choices": [{"index": 0, "delta": "y", "token_ids": [7]}]}',
+    b'{"choices": [{"index": 0, "delta": {"content": 5}, "token_ids": [7]}]}',
+]
+
+
+@pytest.mark.parametrize("bad", _NOT_VLLM)
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_event_of_another_shape_than_vllm_s_ends_the_answer_with_an_error(
+    bad: bytes, stream: bool, rank: int, proxy: Callable[..., Any]
+) -> None:
+    """Read as it came, such an event lost its text silently (not JSON, or a
+    text that is no string), put ids the rank never had into the client's
+    answer and a continuation's prompt (a string's characters, a float, a
+    bool, a number past 64 bits that orjson reads as a float), or raised an
+    internal error (a choice that is no object). Whole or streamed, and in
+    the middle of the answer: an OpenAI-shaped error, nothing of the bad
+    event, the tokens before it as they were."""
+
+    def junk(conn: Conn, body: dict[str, Any]) -> None:
+        if not body.get("stream"):  # whole: aborted, so the proxy streams it again
+            conn.write(_head(b"200 OK", b"application/json", None) + _chunk(ABORTED) + _chunk(b""))
+            return
+        events = _token_event(0, False) + b"data: " + bad + b"\n\n" + _token_event(1, False)
+        conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(events) + _chunk(b""))
+
+    _Rank.misbehave = junk
+    running = await _proxy(proxy, rank)
+    async with aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{running.port}/v1/completions"
+        ask = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": stream,
+               "return_token_ids": True}  # fmt: skip
+        async with http.post(url, json=ask, timeout=aiohttp.ClientTimeout(20)) as r:
+            raw = await r.read()
+    if stream:
+        assert r.status == 200
+        events = sse_payloads(raw)
+        assert events[-1] == b"[DONE]"
+        err = orjson.loads(events[-2])["error"]
+        choices = [orjson.loads(e)["choices"][0] for e in events[:-2]]
+        assert [(c["text"], c["token_ids"]) for c in choices] == [("x", [1000])]
+    else:
+        assert r.status == 503, raw  # as any continued whole answer that fails
+        err = orjson.loads(raw)["error"]
+    assert err["code"] == "upstream_bad_chunk", err
+    assert "no vLLM chunk" in err["message"], err
+
+
 def _token_event(i: int, spaced: bool) -> bytes:
     """Generated token ``i`` as vLLM streams it (the first with the prompt's
     ids). Compact, it is a common chunk, taken on bytes (compiled where

@@ -125,8 +125,10 @@ def _run(
         end = asyncio.run(_pump(pump, answer, parser, book))
     except (ClientGone, StreamFailed) as e:
         end = type(e).__name__
-    return _Run(b"".join(client.writes), (book.generated, book.records, book.finish_reason),
-                end, python_reads, hold.since is not None)  # fmt: skip
+    # The tail: the events of the read that ended the answer, written with its end.
+    out = b"".join(client.writes) + pump.tail
+    kept = (book.generated, book.records, book.finish_reason)
+    return _Run(out, kept, end, python_reads, hold.since is not None)
 
 
 async def _drained() -> None:
@@ -262,13 +264,15 @@ def test_an_id_longer_than_any_vocabulary_s_is_the_json_parser_s(
     digits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A token id of more digits than any vocabulary's (past 4300 int()
-    refuses it): neither path takes it on bytes; the chunk is the JSON
-    parser's, as any other odd chunk, and the stream goes on. No exception."""
+    refuses it, past 64 bits orjson reads a float): neither path takes it on
+    bytes, the JSON path refuses it (proxy.dataplane.continuation.shape), and
+    the stream ends with an error after the tokens before it. No exception."""
     body = {"prompt": "p", "max_tokens": 5, "stream": True}
     reads = _by_event(_stream(3, 0, ["a"], False))
     reads[1] = reads[1].replace(b'"token_ids":[', b'"token_ids":[' + b"9" * digits + b",")
     assert sse.take_chunk(reads[1][6:-2], True) is None  # not on bytes
-    assert _same(reads, body, monkeypatch).end == "finished"
+    run = _same(reads, body, monkeypatch)
+    assert run.end == "StreamFailed" and run.book[0] == [100]
 
 
 @pytest.mark.parametrize("budget", [2**31, 2**62, 2**63, 2**64 - 1])

@@ -123,6 +123,7 @@ class HeldStream:
                 log.info("[%s] %s; the whole answer starts over", self.out.request_id, e)
                 self.book.start_over()
                 self.sink.clear()
+                self.pump.take_tail()  # the failed attempt's last events: cleared with it
                 attempt = None
 
     async def _relay(self, attempt: Attempt | None) -> None:

@@ -16,11 +16,10 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from proxy.core.errors import ClientGone
-from proxy.dataplane.continuation import Emit, Overrun, SpliceFailed
+from proxy.dataplane.continuation import Emit, Overrun, SpliceFailed, shape
 from proxy.dataplane.continuation.book import RECORDS_SLACK
+from proxy.dataplane.continuation.shape import BadChunk
 from proxy.dataplane.hold.hold import Hold, StreamFailed
 from proxy.dataplane.sink import HIGH_WATER, ChunkSink, Collector, Sink
 from proxy.dataplane.sse import (
@@ -234,8 +233,8 @@ class Pump:
         outcome = None
         try:
             if head:
+                self.book.counted(ids, records, suspects)  # past the budget: none of them
                 out.append(head)
-                self.book.counted(ids, records, suspects)
             if events or out:  # bytes that never make an event (a drip) are a stall, not progress
                 self.flow.heard()
             for data in events:
@@ -243,7 +242,13 @@ class Pump:
                 if outcome is not None:
                     break
         except Overrun as e:  # the same: vLLM never sends past the budget
+            self.tail += b"".join(out)
             raise StreamFailed(f"the rank sent {e}", "upstream_too_many_tokens") from e
+        except StreamFailed:
+            # The events before the one that ends the stream are the book's:
+            # the client has them before the error (HeldStream takes the tail).
+            self.tail += b"".join(out)
+            raise
         # A held stream resumes when the upstream sends on; vLLM's
         # abort chunk is no resume: the hold goes on, one hold.
         if self.hold.since is not None and (outcome == PumpEnd.FINISHED or (out and not outcome)):
@@ -262,11 +267,9 @@ class Pump:
                 out.append(b"data: " + d + b"\n\n")  # event(d), inlined: per event
             return None
         try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(chunk, dict):
-            return None
+            chunk = shape.parse(data)
+        except BadChunk as e:  # its text cannot be relayed: not lost silently either
+            raise StreamFailed(f"the rank sent {e}", "upstream_bad_chunk") from e
         if "error" in chunk and "choices" not in chunk:
             out.append(event(data))  # the engine's own error: pass it on, stop
             return PumpEnd.UPSTREAM_ERROR
