@@ -770,3 +770,84 @@ async def test_a_trailer_that_never_ends_is_cut_short_and_the_answer_asked_again
     assert orjson.loads(answer.body)["choices"][0]["text"] == "x" * 12  # the second answer's
     assert sent[0] < 4 << 20, f"the proxy read {sent[0]} bytes of a trailer"
     assert running.app[TABLE].ranks["r0"].routable
+
+
+_FINISH = _token_event(1, False).replace(b'"finish_reason":null', b'"finish_reason":"length"')
+_ABORT = (
+    _token_event(1, False)
+    .replace(b'"text":"x","token_ids":[1001]', b'"text":"","token_ids":[]')
+    .replace(b'"finish_reason":null', b'"finish_reason":"abort"')
+)
+
+
+async def _events_for(proxy: Callable[..., Any], port: int, answers: list[bytes]) -> list[bytes]:
+    """A greedy stream through the proxy whose rank answers request k with
+    ``answers[k]`` (its events, then ``[DONE]``): the client's events."""
+    asked = 0
+
+    def answer(conn: Conn, body: dict[str, Any]) -> None:
+        nonlocal asked
+        events = answers[min(asked, len(answers) - 1)] + b"data: [DONE]\n\n"
+        asked += 1
+        conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(events) + _chunk(b""))
+
+    _Rank.misbehave = answer
+    running = await _proxy(proxy, port)
+    async with aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{running.port}/v1/completions"
+        ask = {"model": "m", "prompt": "x", "max_tokens": 12, "stream": True, "temperature": 0}
+        async with http.post(url, json=ask, timeout=aiohttp.ClientTimeout(20)) as r:
+            assert r.status == 200
+            events = sse_payloads(await r.read())
+    assert events[-1] == b"[DONE]", events
+    return events[:-1]
+
+
+@pytest.mark.parametrize("empty", [b"data:\n\n", b"data: \n\n"])
+async def test_an_event_without_data_is_no_event(
+    empty: bytes, rank: int, proxy: Callable[..., Any]
+) -> None:
+    """The SSE standard dispatches no event whose data is empty: skipped, as
+    a browser's EventSource skips it, not taken for a bad chunk."""
+    events = await _events_for(proxy, rank, [_token_event(0, False) + empty + _FINISH])
+    texts = [orjson.loads(e)["choices"][0]["text"] for e in events]
+    assert texts == ["x", "x"], events
+
+
+async def test_an_event_nested_deeper_than_orjson_writes_is_a_bad_chunk(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    """orjson reads 1024 levels and writes 255: a chunk between the two,
+    parsed and written again by the book, raised an internal error."""
+    deep = _token_event(1, True).replace(b'"finish_reason": null', b'"logprobs": ' + b"[" * 300
+                                         + b"]" * 300 + b', "finish_reason": null')  # fmt: skip
+    events = await _events_for(proxy, rank, [_token_event(0, False) + deep + _FINISH])
+    assert orjson.loads(events[-1])["error"]["code"] == "upstream_bad_chunk", events
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b'data: junk "finish_reason":null "index":0 "token_ids":[1001]\n\n',
+        b'data: {"choices":"ab","x":{"index":0,"finish_reason":null,"token_ids":[1001]}}\n\n',
+    ],
+)
+async def test_junk_taken_on_the_bytes_is_a_bad_chunk_at_the_splice(
+    junk: bytes, rank: int, proxy: Callable[..., Any]
+) -> None:
+    """A common chunk is found on the bytes by vLLM's serialization (not
+    parsed, per event of every stream), so junk that looks like one is
+    relayed as it came. When an abort follows, the splice parses it: the
+    stream ends with upstream_bad_chunk, not an internal error."""
+    events = await _events_for(proxy, rank, [_token_event(0, False) + junk + _ABORT, _FINISH])
+    assert orjson.loads(events[-1])["error"]["code"] == "upstream_bad_chunk", events
+
+
+async def test_a_restart_keeps_what_the_first_chunk_had_of_an_id(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    """A first chunk without ``id`` or ``created`` (vLLM always sends them),
+    then an abort before any token: the restart's chunks keep their own."""
+    first = _ABORT.replace(b'"id":"c",', b"").replace(b'"created":1,', b"")
+    events = await _events_for(proxy, rank, [first, _token_event(0, False) + _FINISH])
+    assert [orjson.loads(e)["choices"][0]["text"] for e in events] == ["x", "x"], events

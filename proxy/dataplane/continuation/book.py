@@ -51,6 +51,7 @@ from proxy.dataplane.continuation.fields import (
     is_greedy,
     prompt_count,
 )
+from proxy.dataplane.continuation.shape import BadChunk, parse
 from proxy.dataplane.continuation.splice import Decode, SpliceFailed, find_boundary
 from proxy.dataplane.sse import IMPLEMENTATION, common_chunk, take_ids
 
@@ -244,7 +245,7 @@ class Book:
             if chunk.get("usage") is not None:  # vLLM forces usage (or was asked)
                 self.continuous = self.wants_usage = True
         elif self.spliced:  # a restart: keep the id the client already saw
-            chunk["id"], chunk["created"] = self.template["id"], self.template["created"]
+            chunk.update((k, self.template[k]) for k in ("id", "created") if k in self.template)
         prompt = chunk.get("prompt_token_ids") or choices[0].get("prompt_token_ids")
         if prompt and self.prompt_ids is None:
             self.prompt_ids = list(prompt)
@@ -319,12 +320,21 @@ class Book:
         parts, marks, n = [], [(0, 0)], 0
         for k, text in self.records:
             if isinstance(text, bytes):
-                choice = (orjson.loads(text).get("choices") or [{}])[0]
-                text = text_of(choice, self.kind)
+                text = self._text_of_bytes(text)
             parts.append(text)
             n += len(text)
             marks.append((k, n))
         return "".join(parts), marks
+
+    def _text_of_bytes(self, data: bytes) -> str:
+        """A chunk taken on the bytes (found by vLLM's serialization, not
+        parsed): parsed at a splice, where a rank's junk that looked like one
+        ends the stream as junk parsed as it came does."""
+        try:
+            chunk = parse(data)
+        except BadChunk as e:
+            raise SpliceFailed("upstream_bad_chunk", f"the rank sent {e}") from e
+        return text_of((chunk.get("choices") or [{}])[0], self.kind)
 
     def _usage_passthrough(self, chunk: dict[str, Any]) -> Emit:
         # vLLM sends the usage chunk after an abort too: one before the

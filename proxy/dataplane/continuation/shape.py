@@ -7,8 +7,10 @@ character, a float or a bool an id sent on to the client and into a
 continuation's prompt, a choice that is no object an internal error. Such a
 chunk ends the stream with an error event instead (``upstream_bad_chunk``):
 its text cannot be relayed, and going on without it would lose it silently.
-Common chunks taken on the bytes (:mod:`proxy.dataplane.sse`) have this shape
-by construction; this checks the rest.
+Common chunks are found on the bytes by vLLM's serialization and relayed as
+they came (:mod:`proxy.dataplane.sse`: not parsing them is that path's
+saving); junk that looks like one is parsed at a splice, and ends the stream
+there the same way (``Book._text_of_bytes``).
 """
 
 from __future__ import annotations

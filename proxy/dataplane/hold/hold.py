@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source, Stamp, group_fault
 from proxy.core.settings import Hold as HoldSettings
 from proxy.dataplane.budget import HeldStreams, StreamBudget
-from proxy.dataplane.continuation import Book, SpliceFailed
+from proxy.dataplane.continuation.book import Book
+from proxy.dataplane.continuation.splice import SpliceFailed
 from proxy.telemetry.accesslog import AccessRecord, End
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.tracing import Tracing

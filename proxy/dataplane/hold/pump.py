@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from proxy.core.errors import ClientGone
 from proxy.dataplane.continuation import Emit, Overrun, SpliceFailed, shape
 from proxy.dataplane.continuation.book import RECORDS_SLACK
@@ -34,6 +36,8 @@ from proxy.dataplane.sse import (
     new_parser,
 )
 from proxy.upstream.client import BODY_ERRORS
+
+BAD = "upstream_bad_chunk"  # the error event's code for a rank's event of another shape
 
 if TYPE_CHECKING:
     from proxy.dataplane._events import Stream
@@ -261,6 +265,8 @@ class Pump:
         """Turn one upstream event into client events (appended to ``out``)."""
         if data == DONE:
             return PumpEnd.FINISHED if self.book.finish_reason else PumpEnd.INCOMPLETE
+        if not data:  # an event without data is not dispatched (the SSE standard)
+            return None
         fast = self.book.on_original_bytes(data) if original else None
         if fast is not None:
             for d in fast.data:
@@ -269,7 +275,7 @@ class Pump:
         try:
             chunk = shape.parse(data)
         except BadChunk as e:  # its text cannot be relayed: not lost silently either
-            raise StreamFailed(f"the rank sent {e}", "upstream_bad_chunk") from e
+            raise StreamFailed(f"the rank sent {e}", BAD) from e
         if "error" in chunk and "choices" not in chunk:
             out.append(event(data))  # the engine's own error: pass it on, stop
             return PumpEnd.UPSTREAM_ERROR
@@ -277,6 +283,8 @@ class Pump:
             emit: Emit = handle(chunk)
         except SpliceFailed as e:
             raise StreamFailed.inexact(e) from e
+        except orjson.JSONEncodeError as e:  # nested past what orjson writes (255 levels)
+            raise StreamFailed(f"the rank sent an event nested too deep: {e}", BAD) from e
         out.extend(event(d) for d in emit.data)
         if emit.aborted:
             self.hold.mark_faulted()
