@@ -84,7 +84,10 @@ def chunk(draw: st.DrawFn) -> bytes:
 def framed(draw: st.DrawFn, data: bytes) -> bytes:
     """An event around ``data``: its data lines, comments, other fields, CRLF."""
     nl = draw(st.sampled_from([b"\n", b"\n", b"\r\n"]))
-    lines = data.split(b"\n") if draw(st.booleans()) else [data]
+    # Several data lines now and then (the standard joins them with newlines):
+    # cut anywhere, a common chunk of several is no common chunk.
+    cuts = sorted(draw(st.lists(st.integers(1, max(len(data) - 1, 1)), max_size=2)))
+    lines = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
     out = b""
     if not draw(st.integers(0, 4)):
         out += b": ftproxy keepalive" + nl

@@ -851,3 +851,104 @@ async def test_a_restart_keeps_what_the_first_chunk_had_of_an_id(
     first = _ABORT.replace(b'"id":"c",', b"").replace(b'"created":1,', b"")
     events = await _events_for(proxy, rank, [first, _token_event(0, False) + _FINISH])
     assert [orjson.loads(e)["choices"][0]["text"] for e in events] == ["x", "x"], events
+
+
+def _lines(event: bytes, at: bytes) -> bytes:
+    """``event`` (one ``data:`` line) as two data lines, cut before ``at``."""
+    return event.replace(at, b"\ndata: " + at, 1)
+
+
+@pytest.mark.parametrize("ids", [True, False], ids=["ids", "no-ids"])
+async def test_an_event_of_several_data_lines_reaches_the_client_whole(
+    ids: bool, rank: int, proxy: Callable[..., Any]
+) -> None:
+    """The standard joins an event's data lines with newlines. Written again
+    behind one ``data:``, the client read its first line alone (not JSON) and
+    dropped the rest: tokens the book counted, lost without an error."""
+    engine_error = b'data: {"error":{"message":"boom","type":"x","param":null,"code":400}}\n\n'
+
+    def answer(conn: Conn, body: dict[str, Any]) -> None:
+        events = b"".join(
+            [
+                _token_event(0, False),
+                _lines(_token_event(1, False), b'"model"'),
+                _lines(_token_event(2, False), b'"choices"'),
+                _lines(engine_error, b'"type"'),
+            ]
+        )
+        conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(events) + _chunk(b""))
+
+    _Rank.misbehave = answer
+    running = await _proxy(proxy, rank)
+    ask = {**BODY, "temperature": 0, "return_token_ids": ids}
+    raw = (await _post(running.port, ask)).body
+    assert all(line.startswith(b"data: ") for line in raw.split(b"\n") if line), raw
+    events = sse_payloads(raw)
+    assert events[-1] == b"[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["x", "x", "x"], raw
+    if ids:
+        assert [c["choices"][0]["token_ids"] for c in chunks[:-1]] == [[1000], [1001], [1002]]
+    assert chunks[-1]["error"]["message"] == "boom"  # the engine's own, passed on
+
+
+async def test_events_without_data_are_no_progress_but_a_stall(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    """Skipped as no event, they counted as the rank's progress: sent every
+    half second, they kept a stream open with nothing, never held, forever."""
+
+    def empty_beats(conn: Conn, body: dict[str, Any]) -> None:
+        conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(EVENT))
+
+        async def beat() -> None:
+            for _ in range(100):  # bounded: 10 s at most
+                if conn.closed:
+                    return
+                conn.write(_chunk(b"data:\n\n"))
+                await asyncio.sleep(0.1)
+
+        asyncio.get_running_loop().create_task(beat())
+
+    _Rank.misbehave = empty_beats
+    settings = Settings(
+        listen={"host": "127.0.0.1", "port": 0},
+        groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{rank}"}]}],
+        timeouts={"poll_interval_s": 0.5},
+        hold={"keepalive_s": 0.2, "stall_s": 0.6, "timeout_s": 1.0},
+    )  # fmt: skip
+    running = await proxy(settings)
+    body = {k: v for k, v in BODY.items() if k != "pace_s"}
+    answer = await _post(running.port, body)
+    events = sse_payloads(answer.body)
+    assert events[-1] == b"[DONE]"
+    # Held at the stall; the hold ends it (EVENT has no prompt ids to continue from).
+    assert orjson.loads(events[-2])["error"]["code"] == "stream_aborted"
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2, 3], ids=["whole", "1+2", "2+1", "at-event"])
+async def test_a_byte_order_mark_before_the_first_event_is_dropped(
+    cut: int, rank: int, proxy: Callable[..., Any]
+) -> None:
+    """The standard ignores one at the stream's start. Read as a line, it hid
+    the first event: its text and prompt ids lost, with no error."""
+    bom = b"\xef\xbb\xbf"
+
+    def with_bom(conn: Conn, body: dict[str, Any]) -> None:
+        first = bom + _token_event(0, False)
+        rest = _token_event(1, False) + _FINISH + b"data: [DONE]\n\n"
+
+        async def send() -> None:  # the reads apart: the mark cut across them
+            head = _head(b"200 OK", b"text/event-stream", None)
+            conn.write(head + _chunk(first[:cut]) if cut else head)  # an empty chunk is the end
+            await asyncio.sleep(0.05)
+            conn.write(_chunk(first[cut:]) + _chunk(rest) + _chunk(b""))
+
+        asyncio.get_running_loop().create_task(send())
+
+    _Rank.misbehave = with_bom
+    running = await _proxy(proxy, rank)
+    events = sse_payloads((await _post(running.port, {**BODY, "return_token_ids": True})).body)
+    chunks = [orjson.loads(e)["choices"][0] for e in events[:-1]]
+    assert [c["token_ids"] for c in chunks] == [[1000], [1001], [1001]], events
+    assert chunks[0]["prompt_token_ids"] == [1, 2, 3]

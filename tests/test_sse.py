@@ -8,7 +8,16 @@ from collections.abc import Callable
 
 import pytest
 
-from proxy.dataplane.sse import MAX_EVENT, EventParser, EventTooLarge, SSEParser
+from proxy.dataplane.sse import (
+    BOM,
+    MAX_EVENT,
+    EventParser,
+    EventTooLarge,
+    SSEParser,
+    event,
+    past_bom,
+    take_chunk,
+)
 from tests.optional import compiled_events
 
 STREAM = (
@@ -59,3 +68,48 @@ def test_an_event_dripped_in_small_reads_costs_linear_time(new: Parser) -> None:
             assert p.feed(b"x" * 127 + end) == []
         assert p.feed(b"\n\n") == [b"x" * 127 * 8192 if not end else b"x" * 127]
         assert time.process_time() - started < 1.0
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
+def test_data_of_several_lines_goes_out_a_field_a_line(new: Parser, end: bytes) -> None:
+    """The standard joins an event's data fields with newlines: written as
+    one field, the client's reader ends it at the first line end and drops
+    the rest (a line of no field it knows)."""
+    data = b'{"id":"c",' + end + b'"choices":[]}'
+    assert event(data) == b'data: {"id":"c",\ndata: "choices":[]}\n\n'
+    assert new().feed(event(data)) == [b'{"id":"c",\n"choices":[]}']
+    assert event(b"[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_a_chunk_of_several_lines_is_no_common_chunk(new: Parser) -> None:
+    """Taken on the bytes, a chunk goes out as ``data: `` and its bytes:
+    one of several lines is parsed instead (and written by event())."""
+    one = (
+        b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":'
+        b'[{"index":0,"text":"x","token_ids":[7],"finish_reason":null}]}'
+    )
+    assert take_chunk(one, True) is not None
+    for end in (b"\n", b"\r"):
+        two = one.replace(b'"model"', end + b'"model"')
+        assert take_chunk(two, True) is None
+        framed = b"data: " + two.replace(end, b"\ndata: ") + b"\n\n"
+        head, ids, _, _, events = new().relay(framed, 0, True)
+        assert (head, ids) == (b"", []), end
+        assert len(events) == 1, end
+
+
+def test_one_leading_byte_order_mark_is_no_part_of_the_stream() -> None:
+    """However the reads cut it (the SSE standard ignores one at the start)."""
+    body = BOM + b"data: 1\n\n" + BOM
+    for cuts in ([], [1], [2], [1, 2], [3], [1, 2, 3, 4]):
+        start: bytes | None = b""
+        parsed = b""
+        for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True):
+            if start is None:
+                parsed += body[a:b]
+            else:
+                got, start = past_bom(start, body[a:b])
+                parsed += got
+        assert parsed == b"data: 1\n\n" + BOM, cuts  # the later one is data's
+    assert past_bom(b"", b"\xef") == (b"", b"\xef")  # may still be one
+    assert past_bom(b"\xef", b"x") == (b"\xefx", None)  # was not one: kept

@@ -373,6 +373,10 @@ take(PyObject *event, int wants_ids, Out *out, PyObject *ids, Py_ssize_t *got,
     scan(d, n, &s);
     if (s.finish_nulls != 1 || s.prompt_ids || !s.index0 || s.ids < 0)
         return 0;
+    /* One line only (sse.common_chunk): data of several is written a field a
+     * line (sse.event), not as "data: " and its bytes. */
+    if (memchr(d, '\n', (size_t)n) != NULL || memchr(d, '\r', (size_t)n) != NULL)
+        return 0;
     Py_ssize_t start = s.ids;
     Py_ssize_t end = FIND(d, n, "]", start);
     if (end < 0)

@@ -12,6 +12,7 @@ names the one in use, :func:`new_parser` makes one.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
@@ -106,7 +107,7 @@ class SSEParser:
             if taken is None:
                 return b"".join(out), ids, records, suspects, events[i:]
             shown, got, empty = taken
-            out.append(b"data: " + shown + b"\n\n")
+            out.append(b"data: " + shown + b"\n\n")  # one line: common_chunk
             ids.extend(got)
             records.append((base + len(ids), data))
             if len(got) == 1 and empty:
@@ -126,7 +127,29 @@ def _has_end(data: bytes) -> bool:
 
 
 def event(data: bytes) -> bytes:
+    """One SSE event. Data of several lines (an event of several ``data:``
+    fields, which the standard joins with newlines) goes out a field a line:
+    a raw line end after one ``data:`` would end the field there, and the
+    client would read the rest as a field of another name, dropped."""
+    if b"\n" in data or b"\r" in data:
+        data = _LINE_END.sub(b"\ndata: ", data)
     return b"data: " + data + b"\n\n"
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")  # each a line's end in SSE
+
+BOM = b"\xef\xbb\xbf"
+
+
+def past_bom(start: bytes, chunk: bytes) -> tuple[bytes, bytes | None]:
+    """A stream's first bytes without the one leading byte order mark the
+    SSE standard ignores (else its first line is no ``data:`` field, and the
+    first event is lost): the bytes to parse, and those kept while they may
+    still be the start of one (None once past it)."""
+    data = start + chunk
+    if BOM.startswith(data):  # nothing yet, a part of one, or one whole
+        return b"", (None if data == BOM else data)
+    return (data[3:] if data.startswith(BOM) else data), None
 
 
 # -- the common chunk on bytes ----------------------------------------------
@@ -136,11 +159,15 @@ def event(data: bytes) -> bytes:
 
 
 def common_chunk(data: bytes) -> bool:
-    """One choice's token, neither the first chunk nor a finish."""
+    """One choice's token, neither the first chunk nor a finish, on one line
+    (relayed as ``data: `` and its bytes; one of several lines is parsed and
+    written by :func:`event`)."""
     return (
         data.count(b'"finish_reason":null') == 1
         and b'"prompt_token_ids":[' not in data
         and b'"index":0' in data
+        and b"\n" not in data
+        and b"\r" not in data
     )
 
 

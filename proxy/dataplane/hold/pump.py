@@ -34,6 +34,7 @@ from proxy.dataplane.sse import (
     Relayed,
     event,
     new_parser,
+    past_bom,
 )
 from proxy.upstream.client import BODY_ERRORS
 
@@ -68,12 +69,17 @@ class Pump:
         # The events of the read that finished the answer: written with its
         # end, in one write (HeldStream.run takes them), not one write each.
         self.tail = b""
+        # An upstream body's first bytes while they may be a byte order mark
+        # (sse.past_bom); None once past them. They come before its first
+        # event, so in Python's reads: the compiled one is armed after it.
+        self.start: bytes | None = b""
 
     async def pump(self, attempt: Attempt, handle: Handle) -> PumpEnd:
         """Relay one upstream's events; say how it ended."""
         self.flow.attach(attempt)
         attempt.count()  # a continuation loads the rank it runs on
         parser = new_parser()
+        self.start = b""
         # Whether the answer was judged whole and sane: only then may its
         # connection be pooled. A body whose framing ended without the
         # stream's end (a Content-Length that lied) has its rest still to
@@ -216,6 +222,8 @@ class Pump:
         per upstream: a bound method made and compared per read costs more
         than the read's bookkeeping)."""
         book = self.book
+        if self.start is not None:
+            chunk, self.start = past_bom(self.start, chunk)
         try:
             if original and book.bytes_ok():
                 # The read's common chunks taken in one call (compiled where
@@ -239,7 +247,9 @@ class Pump:
             if head:
                 self.book.counted(ids, records, suspects)  # past the budget: none of them
                 out.append(head)
-            if events or out:  # bytes that never make an event (a drip) are a stall, not progress
+            # Bytes that never make an event (a drip, comments) are a stall,
+            # not progress; so are events without data (never dispatched).
+            if out or any(events):
                 self.flow.heard()
             for data in events:
                 outcome = self._on_event(data, handle, original, out)
@@ -269,7 +279,7 @@ class Pump:
             return None
         fast = self.book.on_original_bytes(data) if original else None
         if fast is not None:
-            for d in fast.data:
+            for d in fast.data:  # a common chunk: one line (sse.common_chunk)
                 out.append(b"data: " + d + b"\n\n")  # event(d), inlined: per event
             return None
         try:
