@@ -926,6 +926,25 @@ async def test_events_without_data_are_no_progress_but_a_stall(
     assert orjson.loads(events[-2])["error"]["code"] == "stream_aborted"
 
 
+async def test_a_stream_answered_with_a_whole_json_answer_is_a_502(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    """Passed on, it held the token ids the proxy asked for in the client's
+    place (only a stream's events hide them), and a stream client's reader
+    fails on it."""
+
+    def whole(conn: Conn, body: dict[str, Any]) -> None:
+        conn.write(_head(b"200 OK", b"application/json", len(WHOLE)) + WHOLE)
+
+    _Rank.misbehave = whole
+    running = await _proxy(proxy, rank)
+    answer = await _post(running.port, BODY)
+    assert answer.status == 502, answer.body
+    assert answer.error() == "upstream_failed"
+    assert b"text/event-stream" in answer.body and b"1000" not in answer.body
+    assert running.app[METRICS].upstream_errors.labels("r0", "bad_response")._value.get() == 1
+
+
 @pytest.mark.parametrize("cut", [0, 1, 2, 3], ids=["whole", "1+2", "2+1", "at-event"])
 async def test_a_byte_order_mark_before_the_first_event_is_dropped(
     cut: int, rank: int, proxy: Callable[..., Any]
@@ -952,3 +971,25 @@ async def test_a_byte_order_mark_before_the_first_event_is_dropped(
     chunks = [orjson.loads(e)["choices"][0] for e in events[:-1]]
     assert [c["token_ids"] for c in chunks] == [[1000], [1001], [1001]], events
     assert chunks[0]["prompt_token_ids"] == [1, 2, 3]
+
+
+async def test_a_transfer_coding_other_than_chunked_is_a_502(
+    rank: int, proxy: Callable[..., Any]
+) -> None:
+    """The proxy asks for none (RFC 9112 §6.1: a server applies none but
+    chunked unasked). llhttp takes the chunked framing off and no other: a
+    gzip body reached the client as plain JSON, its coding dropped with the
+    hop-by-hop header."""
+
+    def coded(conn: Conn, body: dict[str, Any]) -> None:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        coding = b"transfer-encoding: gzip, chunked\r\n\r\n"
+        conn.write(head + coding + _chunk(gzip.compress(WHOLE)) + _chunk(b""))
+
+    _Rank.misbehave = coded
+    running = await _proxy(proxy, rank)
+    asks = [("/tokenize", {"model": "m", "prompt": "x"}), ("/v1/completions", BODY)]
+    for path, body in [*asks, ("/v1/completions", {**BODY, "stream": False})]:
+        answer = await _post(running.port, body, path)
+        assert answer.status == 502, (path, body, answer.body)
+        assert answer.error() == "upstream_failed", answer.body

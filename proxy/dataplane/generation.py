@@ -92,8 +92,10 @@ async def _stream(
 ) -> None:
     up = attempt.response
     _check_encoding(up)
-    if up.status != 200 or up.content_type != "text/event-stream":
+    if up.status != 200:
         return await relay.relay(reply, attempt)  # errors pass through as they are
+    if up.content_type != "text/event-stream":
+        _not_a_stream(relay, attempt)
     sink = await reply.open_stream(200, response_headers(up.header_items()))
     await HeldStream(relay, out, book, refused, sink).run(attempt, reply.close_stream)
 
@@ -164,6 +166,24 @@ def _not_json(relay: Relay, attempt: Attempt) -> NoReturn:
         name,
     )
     raise UpstreamFailed(f"rank {name} answered 200 with a body that is not a JSON object")
+
+
+def _not_a_stream(relay: Relay, attempt: Attempt) -> NoReturn:
+    """A 200 of another type than SSE is no answer to a stream request: the
+    client's SSE reader would fail on it, and it holds the token ids the
+    proxy asked for in the client's place, which only a stream's events hide."""
+    up, name = attempt.response, attempt.rank.name
+    up.discard()  # its body unread: the connection is not pooled
+    relay.metrics.upstream_errors.labels(name, "bad_response").inc()
+    log.warning(
+        "[%s] rank %s answered a stream request 200 with %r, not text/event-stream",
+        accesslog.request_id() or "-",
+        name,
+        up.content_type,
+    )
+    raise UpstreamFailed(
+        f"rank {name} answered a stream request 200 with {up.content_type!r}, not text/event-stream"
+    )
 
 
 def _check_encoding(up: RankResponse) -> None:

@@ -280,6 +280,9 @@ class _Conn(asyncio.Protocol):
         if status < 200:  # 100 Continue and the like: the final answer follows
             self.interim, self.headers = True, []
             return
+        if (coding := _foreign_coding(self.headers)) is not None:
+            resp._fail(BadResponse(f"the rank's answer has Transfer-Encoding {coding!r}"))
+            raise BadResponse("a transfer coding not asked for")  # the connection closes
         self.in_body = True
         resp._headers_in(status, self.headers, self.parser.should_keep_alive())
         self.dechunk = self.maybe_chunked and _plainly_chunked(resp)
@@ -839,6 +842,20 @@ def _plainly_chunked(resp: RankResponse) -> bool:
         return False
     fields = sum(1 for n, _ in resp._raw_headers if n.lower() == b"transfer-encoding")
     return fields == 1 and resp.status >= 200 and resp.status not in (204, 304)
+
+
+def _foreign_coding(raw: list[tuple[bytes, bytes]]) -> str | None:
+    """A Transfer-Encoding of codings other than ``chunked``, as sent; None
+    for none. RFC 9112 §6.1: a server applies no other unless the request's
+    TE asked for it, and the proxy's never does. llhttp takes off the chunked
+    framing only: a gzip body would reach the client as plain bytes, its
+    coding dropped with the hop-by-hop header."""
+    for n, v in raw:
+        if len(n) != 17 or n.lower() != b"transfer-encoding":  # per answer: lower() last
+            continue
+        if any(c.strip().lower() not in (b"chunked", b"") for c in v.split(b",")):
+            return v.decode("latin-1")
+    return None
 
 
 def _frames_a_body(status: int, raw: list[tuple[bytes, bytes]]) -> bool:
