@@ -275,3 +275,71 @@ async def test_a_client_leaving_before_its_body_is_logged_499(keyed_lanes) -> No
         assert p.app[LIMIT].in_flight == 0
     assert seen[0] == seen[1]
     assert seen[0][0][0]["status"] == 499 and seen[0][1] == 1
+
+
+# -- early answers, codings, versions, targets ----------------------------------------
+async def _raw(port: int, data: bytes) -> bytes:
+    """Everything the proxy sends on one connection until it closes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        return await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+
+
+async def test_an_early_answer_the_body_may_not_follow_ends_the_connection(fakes, proxy) -> None:
+    """Answered before 100 Continue, a client may skip its body (curl does):
+    kept alive, the proxy read its next request as that body, and the
+    request after it got this one's answer. The answer says close, and
+    nothing after it is answered (RFC 9110 §10.1.1)."""
+    p = await proxy(settings_for([await fakes(name="a")]))
+    health = b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n"
+    early = head(b"x" * len(health), "Expect: 100-continue", path="/v1/nope")
+    huge = head(b"").replace(b"Content-Length: 0", b"Content-Length: 1099511627776")
+    for first, status in ((early, b"404"), (huge, b"413")):
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        try:
+            writer.write(first)  # no body: the answer comes first
+            answer = await read_answer(reader)
+            assert answer.startswith(b"HTTP/1.1 " + status), answer
+            assert b"Connection: close\r\n" in answer, answer
+            writer.write(health + health)  # the client skips the body and goes on
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # neither is answered
+        finally:
+            writer.close()
+
+
+_CODED = b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nTransfer-Encoding: gzip, chunked\r\n"
+
+
+@pytest.mark.parametrize(
+    "raw, status",
+    [
+        (_CODED + b"\r\n5\r\nhello\r\n0\r\n\r\n", 501),
+        (b"GET /health HTTP/2.0\r\nHost: p\r\n\r\n", 505),
+        (b"GET /health\r\n\r\n", 505),
+        (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: p\r\n\r\n", 414),
+    ],
+    ids=["transfer-coding", "http2", "http09", "long-target"],
+)
+async def test_heads_refused_with_the_status_that_names_why(fakes, proxy, raw, status) -> None:
+    """A transfer coding other than chunked was taken for none (llhttp takes
+    the chunked framing off, no other: the body read differently from what
+    was sent), other HTTP versions were answered as HTTP/1.1, a long target
+    was a 400."""
+    p = await proxy(settings_for([await fakes(name="a")]))
+    got = await _raw(p.port, raw)
+    assert got.startswith(b"HTTP/1.1 %d" % status), got[:200]
+    assert b'"code": "bad_http_request"' in got
+
+
+@pytest.mark.parametrize("authority", ["http://proxy:8000", "HTTPS://proxy", "http://p?"])
+async def test_an_absolute_form_target_is_served_as_its_path(fakes, proxy, authority) -> None:
+    """RFC 9112 §3.2.2: a server accepts the absolute form (it was a 400)."""
+    p = await proxy(settings_for([await fakes(name="a")]))
+    path = "/v1/completions" if not authority.endswith("?") else ""
+    line = f"POST {authority.rstrip('?')}{path} HTTP/1.1".encode()
+    raw = head(BODY).replace(b"POST /v1/completions HTTP/1.1", line, 1) + BODY
+    (answer,) = await exchange(p.port, raw)
+    assert answer.status == (200 if path else 404), answer.body  # "/": no route

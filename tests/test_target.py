@@ -116,6 +116,10 @@ async def test_no_encoding_of_a_path_reaches_a_rank(fakes, proxy) -> None:
             assert set(err) == {"message", "type", "param", "code"}, (target, body)
             if target in PARSER_REJECTS:  # refused by aiohttp's parser (proxy.listener)
                 assert (status, err["code"]) == (400, "bad_http_request"), target
+            elif target.startswith("http://"):  # the absolute form: read as its path (RFC 9112)
+                path = target.removeprefix("http://127.0.0.1")
+                as_path = await _raw(p.port, path, b'{"instruction":"retry"}', method)
+                assert (status, body) == as_path, target
             elif target in HOSTILE:  # refused before routing or auth
                 assert (status, err["code"]) == (400, "invalid_request_target"), target
     for own in ("/health", "/metrics"):  # the proxy's own, answered without a rank

@@ -1,8 +1,9 @@
 """The routing surface: which request targets are accepted, which paths reach a rank.
 
 A request target is checked before anything else looks at it. Only the
-origin form (``/path?query``) is accepted, and only when its path is already
-in normal form: no dot segments, no empty segments, no backslash, no control
+origin form (``/path?query``) is accepted (the connection reads an absolute
+form as its path: ``proxy.ingress.protocol``), and only when its path is
+already in normal form: no dot segments, no empty segments, no backslash, no control
 characters, and no percent-encoding of a character that changes how the path
 splits or decodes (``/``, ``\\``, ``.``, ``%``, controls). Whatever would
 normalize to something else is refused with 400 rather than normalized, so no

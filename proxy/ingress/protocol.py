@@ -30,6 +30,7 @@ import email.utils
 import functools
 import json
 import logging
+import re
 import time
 import zlib
 from collections import deque
@@ -49,6 +50,7 @@ from proxy.ingress.pipeline import Pipeline
 from proxy.ingress.routes import Request
 from proxy.ingress.sendwatch import SendWatch
 from proxy.telemetry import accesslog
+from proxy.upstream.client import foreign_coding
 
 log = logging.getLogger("ftproxy.listener")
 
@@ -56,6 +58,7 @@ SERVER = "ft-proxy"
 _MAX_LINE = 8190  # a request line, or a header field, as long as aiohttp allowed
 _MAX_HEADERS = 128
 _MAX_MESSAGE = 200  # the parser's message can quote the client's bytes
+_ABSOLUTE = re.compile(r"(?i)https?://[^/?#]*")  # an absolute-form target's scheme and authority
 # Bytes kept unparsed while a request is answered (a client pipelining more waits).
 _MAX_PENDING = 1 << 20
 # Requests parsed and waiting for the answers before them: past this the
@@ -77,6 +80,14 @@ _DECODE_STEP = 64 * 1024
 # The constant lines of an answer's head, built once, not per answer.
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
 _SERVER_LINE = f"Server: {SERVER}\r\n"
+
+
+class Refused(ValueError):
+    """A request head refused with a status of its own, not 400."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def raw_answer(
@@ -241,6 +252,19 @@ def _all_in(msg: _Message) -> bool:
     return msg.body is None or msg.body.complete or msg.body.error is not None
 
 
+def _rest_unread(msg: _Message) -> bool:
+    """Answered before its body is all in, with a rest that may never come
+    or is never read: 100 Continue not sent (the client may skip the body:
+    its next request would be read as this one's body), or a body over the
+    limit. The answer says the connection ends (RFC 9110 §10.1.1). Any other
+    rest is read and dropped, and the connection goes on."""
+    body = msg.body
+    if body is None or _all_in(msg):
+        return False
+    limit = body.conn.listener.max_body
+    return body.expect or body.too_large or (body.length is not None and body.length > limit)
+
+
 class Connection(asyncio.Protocol):
     """One client connection: its parser, its timers, the requests it answers in order."""
 
@@ -382,9 +406,9 @@ class Connection(asyncio.Protocol):
             self._upgraded(data[e.args[0] :] if e.args else b"")
         except httptools.HttpParserError as e:
             cause = e.__context__ if isinstance(e, httptools.HttpParserCallbackError) else None
-            self._parse_error(str(cause or e))
+            self._parse_error(str(cause or e), cause.status if isinstance(cause, Refused) else 400)
 
-    def _parse_error(self, message: str) -> None:
+    def _parse_error(self, message: str, status: int = 400) -> None:
         self.stopped = True  # the parser's state is unknown: nothing more is read
         msg = self.parsing
         if msg is not None and msg.body is not None:
@@ -396,7 +420,7 @@ class Connection(asyncio.Protocol):
         rid = new_request_id()
         log.info("[%s] bad HTTP request: %s", rid, message)
         text = (message or "bad request").replace("\n", " ").strip()[:_MAX_MESSAGE]
-        self.refusal = raw_answer(400, text, "bad_http_request", request_id=rid)
+        self.refusal = raw_answer(status, text, "bad_http_request", request_id=rid)
         self._disarm_header_timer()
         if self.answering is None and not self.queue:
             self._refuse(self.refusal)
@@ -436,7 +460,7 @@ class Connection(asyncio.Protocol):
         assert self.parsing is not None
         self.parsing.url += url
         if len(self.parsing.url) > _MAX_LINE:
-            raise ValueError("the request line is too long")
+            raise Refused(414, "the request target is too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         msg = self.parsing
@@ -468,6 +492,11 @@ class Connection(asyncio.Protocol):
         if msg.url == b"*":  # no resource of the proxy's is the server as a whole
             raise ValueError("the asterisk-form request target is not served")
         version = self.parser.get_http_version()
+        if version not in ("1.1", "1.0"):  # 0.9 (no version), 2.0 spoken as 1.x
+            raise Refused(505, f"HTTP/{version} is not supported: HTTP/1.1 and 1.0 are")
+        if (coding := foreign_coding(msg.headers)) is not None:
+            # llhttp takes the chunked framing off and no other (RFC 9112 §6.1).
+            raise Refused(501, f"Transfer-Encoding {coding!r} is not implemented")
         headers = self._headers(msg, version)
         length = headers.get("Content-Length")
         encoding = headers.get("Content-Encoding", "").strip().lower()
@@ -526,6 +555,11 @@ class Connection(asyncio.Protocol):
     ) -> Request:
         assert msg.body is not None
         target = msg.url.decode("latin-1")
+        if target[:1] != "/" and (authority := _ABSOLUTE.match(target)) is not None:
+            # RFC 9112 §3.2.2: a server accepts the absolute form (and takes
+            # the host from it: the proxy routes by none). Checked as its path.
+            rest = target[authority.end() :]
+            target = rest if rest[:1] == "/" else "/" + rest
         content_type = headers.get("Content-Type", "application/octet-stream")
         return Request(
             method,
@@ -733,7 +767,7 @@ class ConnReply:
         headers["X-Request-Id"] = self.request_id
         if self.drain.draining:
             self.keep_alive = False  # kept-alive clients reconnect elsewhere
-        if self.message is not None and self.message.last:
+        if self.message is not None and (self.message.last or _rest_unread(self.message)):
             self.keep_alive = False  # a trailer, an upgrade: nothing after it is read
         headers.popall("Connection", None)  # the proxy's own, below
         lines = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} \r\n"]

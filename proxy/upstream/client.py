@@ -280,7 +280,7 @@ class _Conn(asyncio.Protocol):
         if status < 200:  # 100 Continue and the like: the final answer follows
             self.interim, self.headers = True, []
             return
-        if (coding := _foreign_coding(self.headers)) is not None:
+        if (coding := foreign_coding(self.headers)) is not None:
             resp._fail(BadResponse(f"the rank's answer has Transfer-Encoding {coding!r}"))
             raise BadResponse("a transfer coding not asked for")  # the connection closes
         self.in_body = True
@@ -844,12 +844,13 @@ def _plainly_chunked(resp: RankResponse) -> bool:
     return fields == 1 and resp.status >= 200 and resp.status not in (204, 304)
 
 
-def _foreign_coding(raw: list[tuple[bytes, bytes]]) -> str | None:
+def foreign_coding(raw: list[tuple[bytes, bytes]]) -> str | None:
     """A Transfer-Encoding of codings other than ``chunked``, as sent; None
-    for none. RFC 9112 §6.1: a server applies no other unless the request's
-    TE asked for it, and the proxy's never does. llhttp takes off the chunked
-    framing only: a gzip body would reach the client as plain bytes, its
-    coding dropped with the hop-by-hop header."""
+    for none. llhttp takes off the chunked framing only: a gzip body would be
+    read as plain bytes (its coding dropped with the hop-by-hop header). A
+    rank applies no other unless the request's TE asked for it (RFC 9112
+    §6.1), and the proxy's never does; a client's request with one is 501
+    (proxy.ingress.protocol)."""
     for n, v in raw:
         if len(n) != 17 or n.lower() != b"transfer-encoding":  # per answer: lower() last
             continue
