@@ -17,6 +17,7 @@ import pytest
 
 from bench.backend import Conn, _chunk, _head
 from bench.validate import Ask, check_stream, sse_payloads
+from proxy.control.models import _window
 from proxy.core.settings import Settings
 from proxy.dataplane.continuation import Book
 from proxy.ingress.state import LIMIT, METRICS, RELAY, TABLE
@@ -35,6 +36,7 @@ class _Rank(Conn):
     """bench.backend's fake vLLM; ``misbehave`` answers completions instead."""
 
     misbehave: ClassVar[Callable[[_Rank, dict[str, Any]], None] | None] = None
+    models: ClassVar[bytes | None] = None  # its /v1/models answer, if not the backend's
     open: ClassVar[int] = 0
     completions: ClassVar[int] = 0
     heads: ClassVar[list[bytes]] = []
@@ -51,7 +53,10 @@ class _Rank(Conn):
         _Rank.heads.append(name.lower() + b": " + value)
 
     def on_message_complete(self) -> None:
-        if self.url.startswith((b"/v1/completions", b"/tokenize")):
+        if self.url.startswith(b"/v1/models") and _Rank.models is not None:
+            self._json(_Rank.models)
+            return
+        if self.url.startswith((b"/v1/completions", b"/v1/chat/completions", b"/tokenize")):
             _Rank.completions += self.url.startswith(b"/v1/completions")
             if _Rank.misbehave is not None:
                 _Rank.misbehave(self, orjson.loads(b"".join(self.body)))
@@ -62,6 +67,7 @@ class _Rank(Conn):
 @pytest.fixture
 async def rank() -> AsyncIterator[int]:
     _Rank.misbehave, _Rank.open, _Rank.completions, _Rank.heads = None, 0, 0, []
+    _Rank.models = None
     server = await asyncio.get_running_loop().create_server(_Rank, "127.0.0.1", 0)
     yield server.sockets[0].getsockname()[1]
     server.close()
@@ -993,3 +999,56 @@ async def test_a_transfer_coding_other_than_chunked_is_a_502(
         answer = await _post(running.port, body, path)
         assert answer.status == 502, (path, body, answer.body)
         assert answer.error() == "upstream_failed", answer.body
+
+
+def _chat_event(i: int) -> bytes:
+    """Chat's generated token ``i`` as vLLM streams it (the first with the prompt's ids)."""
+    chunk: dict[str, Any] = {"id": "c", "object": "chat.completion.chunk", "created": 1}
+    chunk["model"] = "m"
+    if i == 0:
+        chunk["prompt_token_ids"] = [1, 2, 3]
+    delta = {"role": "assistant", "content": "x"} if i == 0 else {"content": "x"}
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+    chunk["choices"] = [{**choice, "token_ids": [1000 + i]}]
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+@pytest.mark.parametrize("window", [40, None], ids=["known", "unknown"])
+async def test_a_chat_without_a_budget_is_bound_by_the_rank_s_context_window(
+    window: int | None, rank: int, proxy: Callable[..., Any]
+) -> None:
+    """Chat without max_tokens runs to the window's end (vLLM's default).
+    Bound by 2^24 ids only, a lying rank could make one stream keep ~6 GiB
+    (each id kept costs its chunk's bytes); learnt from the rank's
+    /v1/models, the window bounds it: here 40 - 3 prompt ids."""
+    card = {"id": "m", "object": "model"} | ({"max_model_len": window} if window else {})
+    _Rank.models = orjson.dumps({"object": "list", "data": [card]})
+
+    def long(conn: Conn, body: dict[str, Any]) -> None:
+        events = b"".join(_chat_event(i) for i in range(200))
+        end = _chat_event(200).replace(b'"finish_reason":null', b'"finish_reason":"stop"')
+        conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(events))
+        conn.write(_chunk(end + b"data: [DONE]\n\n") + _chunk(b""))
+
+    _Rank.misbehave = long
+    running = await _proxy(proxy, rank)
+    r0 = running.app[TABLE].ranks["r0"]
+    assert await until(lambda: r0.models is not None, 5.0)
+    assert r0.max_model_len == window
+    ask = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    events = sse_payloads((await _post(running.port, ask, "/v1/chat/completions")).body)
+    assert events[-1] == b"[DONE]"
+    last = orjson.loads(events[-2])
+    if window is None:
+        assert last["choices"][0]["finish_reason"] == "stop", last
+        return
+    assert last["error"]["code"] == "upstream_too_many_tokens", last
+    assert "(37)" in last["error"]["message"]
+    assert sum(1 for e in events[:-2] if orjson.loads(e).get("choices")) <= 37
+
+
+def test_a_rank_s_window_is_the_longest_its_models_say() -> None:
+    cards: list[Any] = [{"id": "a", "max_model_len": 4096}, {"id": "lora", "max_model_len": 8192}]
+    assert _window(cards) == 8192
+    assert _window([{"id": "a"}, "junk", {"max_model_len": True}, {"max_model_len": -1}]) is None
+    assert _window([{"max_model_len": "4096"}, {"max_model_len": 2048.0}]) is None

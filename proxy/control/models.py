@@ -4,8 +4,9 @@
 is down or slow, or whose list is over ``limits.max_model_list_bytes``, is
 left out; the call fails only when no rank answers at all.
 :func:`learn` keeps each rank's served model names (for model-aware routing,
-see ``Rank.serves``): fetched once a rank is reachable, then every
-``RELEARN_S``.
+see ``Rank.serves``) and its context window (the bound of a stream's token
+ids where the request has none, see ``Book.window``): fetched once a rank is
+reachable, then every ``RELEARN_S``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ async def gather(upstream: Upstream, table: RankTable, bound: Bound) -> dict[str
 RELEARN_S = 30.0
 
 
+def _window(models: list[Any]) -> int | None:
+    """The longest ``max_model_len`` of a model list (vLLM's cards have one;
+    a LoRA adapter's is its base model's), None where none says it."""
+    lengths = [m.get("max_model_len") for m in models if isinstance(m, dict)]
+    windows = [n for n in lengths if type(n) is int and n > 0]
+    return max(windows, default=None)
+
+
 async def learn(upstream: Upstream, table: RankTable, bound: Bound, every_s: float = 0.5) -> None:
     while True:
         now = time.monotonic()
@@ -67,6 +76,7 @@ async def learn(upstream: Upstream, table: RankTable, bound: Bound, every_s: flo
             if names:  # an empty or failed list teaches nothing
                 changed |= names != rank.models
                 rank.models, rank.models_at = names, time.monotonic()
+                rank.max_model_len = _window(result)
         if changed:
             table.notify()
         await asyncio.sleep(every_s)

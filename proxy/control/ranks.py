@@ -133,6 +133,8 @@ class Rank:
     engine_healthy: bool = False
     # Model names it serves (its /v1/models), None until learned.
     models: frozenset[str] | None = None
+    # The longest context window of those (their max_model_len), None until learned.
+    max_model_len: int | None = None
     models_at: float = 0.0  # monotonic time they were learned
 
     def last_progress(self) -> float:

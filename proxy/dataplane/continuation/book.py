@@ -139,6 +139,12 @@ class Book:
     # The most ids vLLM can send for the request, all choices together
     # (``generated`` holds them all): past it, :class:`Overrun`.
     cap: int = WINDOWLESS_CAP
+    # The context window of the rank the request went to, as its /v1/models
+    # said (proxy.control.models): with the prompt's ids, the cap of a
+    # request without a budget. Each id kept costs a few hundred bytes (its
+    # chunk's bytes, parsed only at a splice), so WINDOWLESS_CAP lets a
+    # lying rank hold gigabytes; the window holds it to an honest answer's.
+    window: int | None = None
 
     @classmethod
     def for_request(cls, kind: str, body: dict[str, Any]) -> Book:
@@ -249,6 +255,7 @@ class Book:
         prompt = chunk.get("prompt_token_ids") or choices[0].get("prompt_token_ids")
         if prompt and self.prompt_ids is None:
             self.prompt_ids = list(prompt)
+            self.cap = self._cap(self.window)
         choice = choices[0]
         self._count(choice.get("token_ids") or [], text_of(choice, self.kind))
         delta = choice.get("delta") or {}
@@ -368,7 +375,7 @@ class Book:
         nothing yet). The first chunk's id and usage mode stay."""
         fresh = Book.for_request(self.kind, self.body)
         fresh.template, fresh.continuous = self.template, self.continuous
-        fresh.wants_usage = self.wants_usage
+        fresh.wants_usage, fresh.window = self.wants_usage, self.window
         vars(self).update(vars(fresh))
 
     def can_continue(self) -> bool:
