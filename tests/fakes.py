@@ -119,8 +119,10 @@ class FakeRank:
     # earlier one used: the race of a keep-alive running out as it is reused.
     close_reused: bool = False
     closed_reused: int = 0
-    # The model name /v1/models lists.
+    # The model name /v1/models lists, and the context window it says (chat
+    # without a budget is generated to MAX_MODEL_LEN whatever it says).
     served: str = "fake-model"
+    window: int = MAX_MODEL_LEN
     # The mode from the second generation request on ("hang": accept, never answer).
     then_mode: str | None = None
     # Set: a generation request waits for it before its mode applies (a rank
@@ -332,7 +334,7 @@ class FakeRank:
         return web.json_response(
             {
                 "object": "list",
-                "data": [{"id": self.served, "object": "model", "max_model_len": MAX_MODEL_LEN}],
+                "data": [{"id": self.served, "object": "model", "max_model_len": self.window}],
             }
         )
 

@@ -133,7 +133,8 @@ class Rank:
     engine_healthy: bool = False
     # Model names it serves (its /v1/models), None until learned.
     models: frozenset[str] | None = None
-    # The longest context window of those (their max_model_len), None until learned.
+    # The longest context window of those (their max_model_len), None until
+    # learned, and again once it is unreachable (it may restart with another).
     max_model_len: int | None = None
     models_at: float = 0.0  # monotonic time they were learned
 
@@ -244,6 +245,13 @@ class RankTable:
     def __iter__(self) -> Any:
         return iter(self.ranks.values())
 
+    def window(self) -> int | None:
+        """The longest context window of the ranks (their /v1/models), None
+        while one of them is unknown: any rank may generate a request's
+        answer (a restart, a continuation), and its window bounds it."""
+        windows = [r.max_model_len for r in self.ranks.values()]
+        return None if not windows or None in windows else max(w for w in windows if w)
+
     def group(self, name: str) -> list[Rank]:
         return [r for r in self.ranks.values() if r.group == name]
 
@@ -297,6 +305,10 @@ class RankTable:
             applied = True
         rank.reachable = rank.http_ok and rank.feed_ok
         rank.reason = rank.http_reason if not rank.http_ok else rank.feed_reason
+        if before[1] and not rank.reachable:
+            # It may come back restarted with another window: unknown (no
+            # bound) until learnt again, at once (proxy.control.models).
+            rank.max_model_len, rank.models_at = None, 0.0
         if reachable:
             rank.last_heard = time.time()
         if status is not None and at >= rank.observed_at:

@@ -71,7 +71,7 @@ async def forward(
         rec.tokens = partial(_tokens, book)
     refused = refusal(body)
     async with relay.attempt(out) as attempt:
-        book.window = attempt.rank.max_model_len
+        book.window = relay.table.window()
         await _stream(relay, out, book, refused, reply, attempt)
 
 
@@ -130,7 +130,7 @@ async def _whole(
     # partial answer is dropped, never kept and then generated again).
     attempt.uncount()  # its rank is done with the aborted answer
     book = Book.for_request(kind, body)
-    book.window = attempt.rank.max_model_len
+    book.window = relay.table.window()
     if (rec := accesslog.current()) is not None and rec.tokens is not None:
         rec.tokens = partial(_tokens, book)
     collector = Collector()

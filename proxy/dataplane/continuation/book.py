@@ -139,11 +139,11 @@ class Book:
     # The most ids vLLM can send for the request, all choices together
     # (``generated`` holds them all): past it, :class:`Overrun`.
     cap: int = WINDOWLESS_CAP
-    # The context window of the rank the request went to, as its /v1/models
-    # said (proxy.control.models): with the prompt's ids, the cap of a
-    # request without a budget. Each id kept costs a few hundred bytes (its
-    # chunk's bytes, parsed only at a splice), so WINDOWLESS_CAP lets a
-    # lying rank hold gigabytes; the window holds it to an honest answer's.
+    # The longest context window of the ranks, as their /v1/models say
+    # (RankTable.window): with the prompt's ids, the cap of a request without
+    # a budget. Each id kept costs a few hundred bytes (its chunk's bytes,
+    # parsed only at a splice), so WINDOWLESS_CAP lets a lying rank hold
+    # gigabytes; the window holds it to what an honest answer costs.
     window: int | None = None
 
     @classmethod
