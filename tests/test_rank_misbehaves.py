@@ -813,8 +813,8 @@ async def _events_for(proxy: Callable[..., Any], port: int, answers: list[bytes]
 async def test_an_event_without_data_is_no_event(
     empty: bytes, rank: int, proxy: Callable[..., Any]
 ) -> None:
-    """The SSE standard dispatches no event whose data is empty: skipped, as
-    a browser's EventSource skips it, not taken for a bad chunk."""
+    """Empty data (the SSE standard dispatches it as an empty message) is no
+    chunk: skipped, not taken for a bad one."""
     events = await _events_for(proxy, rank, [_token_event(0, False) + empty + _FINISH])
     texts = [orjson.loads(e)["choices"][0]["text"] for e in events]
     assert texts == ["x", "x"], events

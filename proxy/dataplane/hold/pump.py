@@ -248,7 +248,7 @@ class Pump:
                 self.book.counted(ids, records, suspects)  # past the budget: none of them
                 out.append(head)
             # Bytes that never make an event (a drip, comments) are a stall,
-            # not progress; so are events without data (never dispatched).
+            # not progress; so are events with empty data (no chunk: _on_event).
             if out or any(events):
                 self.flow.heard()
             for data in events:
@@ -275,7 +275,7 @@ class Pump:
         """Turn one upstream event into client events (appended to ``out``)."""
         if data == DONE:
             return PumpEnd.FINISHED if self.book.finish_reason else PumpEnd.INCOMPLETE
-        if not data:  # an event without data is not dispatched (the SSE standard)
+        if not data:  # empty data (a bare "data:") is no chunk: skipped, not a bad one
             return None
         fast = self.book.on_original_bytes(data) if original else None
         if fast is not None:
