@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -50,6 +51,25 @@ async def test_completions_and_chat_are_served_by_both_ranks(rig_proxy) -> None:
         text = await (await http.get(running.url + "/metrics")).text()
     served = requests_by_rank(text)
     assert served.get("r0", 0) >= 1 and served.get("r1", 0) >= 1, served
+
+
+async def test_a_chat_without_a_budget_runs_to_the_window_through_the_proxy(rig_proxy) -> None:
+    """vLLM's default for chat is the window's rest: learnt from the ranks'
+    /v1/models, it is also the stream's bound on token ids, which an honest
+    answer reaches and never passes (no upstream_too_many_tokens)."""
+    running, table = rig_proxy
+    assert await until(lambda: all(r.max_model_len for r in table), 10.0)
+    window = {r.max_model_len for r in table}
+    body = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    body |= {"temperature": 0, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    url = running.url + "/v1/chat/completions"
+    async with aiohttp.ClientSession() as http, http.post(url, json=body) as r:
+        raw = await r.read()
+    events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and b'"error"' not in raw, raw[-400:]
+    usage = json.loads(events[-2])["usage"]
+    assert {usage["prompt_tokens"] + usage["completion_tokens"]} == window == {512}, usage
 
 
 async def _stream_for_steps(url: str) -> None:
