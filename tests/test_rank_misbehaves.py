@@ -340,9 +340,13 @@ async def test_a_pooled_connection_closed_as_it_is_reused_is_resent_once(
         assert _Rank.completions == 5, "sent more than twice: once pooled, once fresh"
 
 
-async def test_a_rank_dripping_bytes_without_events_is_a_stall(
-    rank: int, proxy: Callable[..., Any]
+@pytest.mark.parametrize("beat", [b"y", b"data:\n\n"], ids=["bytes", "empty-events"])
+async def test_a_rank_sending_no_event_is_a_stall(
+    beat: bytes, rank: int, proxy: Callable[..., Any]
 ) -> None:
+    """Bytes that never make an event (a drip), or events with empty data
+    (which counted as progress: a stream kept open with nothing, never held)."""
+
     def drip(conn: Conn, body: dict[str, Any]) -> None:
         conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(EVENT))
 
@@ -350,7 +354,7 @@ async def test_a_rank_dripping_bytes_without_events_is_a_stall(
             for _ in range(300):  # bounded: 30 s at most
                 if conn.closed:
                     return
-                conn.write(_chunk(b"y"))  # read after read, never an event
+                conn.write(_chunk(beat))  # read after read, never a chunk
                 await asyncio.sleep(0.1)
 
         asyncio.get_running_loop().create_task(bytes_forever())
@@ -896,40 +900,6 @@ async def test_an_event_of_several_data_lines_reaches_the_client_whole(
     if ids:
         assert [c["choices"][0]["token_ids"] for c in chunks[:-1]] == [[1000], [1001], [1002]]
     assert chunks[-1]["error"]["message"] == "boom"  # the engine's own, passed on
-
-
-async def test_events_without_data_are_no_progress_but_a_stall(
-    rank: int, proxy: Callable[..., Any]
-) -> None:
-    """Skipped as no event, they counted as the rank's progress: sent every
-    half second, they kept a stream open with nothing, never held, forever."""
-
-    def empty_beats(conn: Conn, body: dict[str, Any]) -> None:
-        conn.write(_head(b"200 OK", b"text/event-stream", None) + _chunk(EVENT))
-
-        async def beat() -> None:
-            for _ in range(100):  # bounded: 10 s at most
-                if conn.closed:
-                    return
-                conn.write(_chunk(b"data:\n\n"))
-                await asyncio.sleep(0.1)
-
-        asyncio.get_running_loop().create_task(beat())
-
-    _Rank.misbehave = empty_beats
-    settings = Settings(
-        listen={"host": "127.0.0.1", "port": 0},
-        groups=[{"name": "g", "ranks": [{"name": "r0", "url": f"http://127.0.0.1:{rank}"}]}],
-        timeouts={"poll_interval_s": 0.5},
-        hold={"keepalive_s": 0.2, "stall_s": 0.6, "timeout_s": 1.0},
-    )  # fmt: skip
-    running = await proxy(settings)
-    body = {k: v for k, v in BODY.items() if k != "pace_s"}
-    answer = await _post(running.port, body)
-    events = sse_payloads(answer.body)
-    assert events[-1] == b"[DONE]"
-    # Held at the stall; the hold ends it (EVENT has no prompt ids to continue from).
-    assert orjson.loads(events[-2])["error"]["code"] == "stream_aborted"
 
 
 async def test_a_stream_answered_with_a_whole_json_answer_is_a_502(
