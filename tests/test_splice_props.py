@@ -247,3 +247,16 @@ def test_text_held_for_a_stop_string_is_not_taken_for_a_special_token() -> None:
          "ignore_eos": True}  # fmt: skip
     for greedy in (False, True):
         check(r, [1], [Fault(after=2, kind="drop")], False, greedy)
+
+
+def test_a_special_token_after_a_held_character_of_several_tokens() -> None:
+    # "€" (ids 12, 13) is held back for "op", then EOS (ignored, its text
+    # skipped) comes, then the connection is lost: the client has the three
+    # ids and no text. "€" is whole and held, EOS special: a sampled answer
+    # too goes on, "€" sent first (none of the character's tokens alone is
+    # text, so none may be taken for the special token).
+    r = {"kind": "completion", "max_tokens": 8, "ids": True, "stop": ["op"],
+         "include_stop": False, "skip_special": None, "prompt": "bc",
+         "ignore_eos": True}  # fmt: skip
+    for greedy in (False, True):
+        check(r, [1], [Fault(after=3, kind="drop")], False, greedy)

@@ -62,6 +62,8 @@ SAMPLED_TRIES = 16
 # Special token kinds looked for where the stream's text and the ids' part.
 SPECIALS_FOUND_MAX = 4
 REPLACEMENT = "\ufffd"
+# A character's tokens at most: UTF-8 has 4 bytes a character, a token 1 at least.
+CHAR_TOKENS_MAX = 4
 
 
 class SpliceFailed(Exception):
@@ -202,7 +204,7 @@ async def _specials(
         i = _parting(full, said)
         if i == len(full) or (i == len(said) and len(full) - i <= held_max):
             break  # they agree; past ``said``, text vLLM held back
-        first = await _reaching(dec, generated, i)
+        first = await _char_start(dec, generated, await _reaching(dec, generated, i))
         tail = held_max if i == len(said) else 0
         special = await _special_from(dec, generated[first:], full, i, tail)
         if special is None:
@@ -218,20 +220,39 @@ async def _special_from(
     """The one of ``tokens`` whose text starts where the ids' text ``full``
     has more than the stream's (at ``i``, or after ``held`` characters of
     held-back text before it), and is longer than ``held``: text that
-    ``held`` held-back characters cannot be."""
-    at = i
+    ``held`` held-back characters cannot be. A character of several tokens
+    ("€" of three byte tokens) is taken whole: none of its tokens alone is
+    text, and none of them is a special token."""
+    at, char = i, []
     for t in tokens:
         if t in dec.specials:
             continue
-        alone = await dec.decode([t])
+        char.append(t)
+        alone = await dec.decode(char)
+        if alone.endswith(REPLACEMENT) and len(char) < CHAR_TOKENS_MAX:
+            continue  # a piece of a character: the next token may end it
         if not alone or REPLACEMENT in alone or not full.startswith(alone, at):
             return None
         if len(alone) > held:
-            return t
+            return t if len(char) == 1 else None
         at += len(alone)
+        char = []
         if at - i > held:
             return None
     return None
+
+
+async def _char_start(dec: _Decoder, tokens: list[int], k: int) -> int:
+    """``k``, or the first token of the character that ``tokens[k]`` ends
+    (whose earlier tokens leave text ending in U+FFFD)."""
+    for _ in range(CHAR_TOKENS_MAX - 1):
+        if k == 0:
+            break
+        text = await dec.text(tokens[:k])
+        if text is None or not text.endswith(REPLACEMENT):
+            break
+        k -= 1
+    return k
 
 
 def _parting(a: str, b: str) -> int:
