@@ -77,6 +77,10 @@ from typing import Any
 
 EOS = 0
 SPECIAL = {EOS: b"<|endoftext|>", 30: b"<|user|>", 31: b"<|assistant|>"}
+# vLLM 0.32's ``system_fingerprint`` (``--fingerprint-mode full``, its default): on
+# a stream's terminal chunks when no usage chunk follows, on the usage chunk,
+# and on a whole answer.
+FINGERPRINT = "vllm-0.32.0-fake0000"
 TOKENS: dict[int, bytes] = {
     **SPECIAL,
     1: b"a", 2: b"b", 3: b" ", 4: b"c", 5: b"\n", 19: b"st", 20: b"op",
@@ -427,6 +431,7 @@ class _Run:
                 **self._head(),
                 "choices": [],
                 "usage": {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n},
+                "system_fingerprint": FINGERPRINT,
             }
 
     def _usage_opts(self) -> tuple[bool, bool]:
@@ -583,6 +588,8 @@ class _Run:
         chunk = {**self._head(), "choices": [choice]}
         if self._usage_opts()[1]:
             chunk["usage"] = self._running_usage(self.ids_sent)
+        if finish is not None and not self._usage_opts()[0]:
+            chunk["system_fingerprint"] = FINGERPRINT
         return chunk
 
     def _logprobs(self, ids: list[int]) -> dict[str, Any] | None:
@@ -648,7 +655,7 @@ def whole_answer(req: Request, events: list[Any], aborted: bool = False) -> dict
         "model": "m",
         "choices": choices,
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": FINGERPRINT,
         "usage": usage,
     }
     if chat:

@@ -458,6 +458,7 @@ class FakeRank:
             "choices": [choice], **({"prompt_token_ids": prompt_ids} if chat else {}),
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out),
                       "total_tokens": len(prompt) + len(out)},
+            "system_fingerprint": FINGERPRINT,
         })  # fmt: skip
 
     async def _stream(
@@ -522,12 +523,19 @@ class FakeRank:
                         "model": "fake-model",
                         "choices": [],
                         "usage": usage,
+                        "system_fingerprint": FINGERPRINT,
                     }
                 )
             )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+# vLLM 0.32's system_fingerprint (its default --fingerprint-mode full): on a
+# whole answer, on a stream's usage chunk, and on its terminal chunk when no
+# usage chunk follows (tests/e2e/test_api_contract.py holds the places).
+FINGERPRINT = "vllm-0.32.0-fake0000"
 
 
 @dataclass
@@ -552,6 +560,10 @@ class _Stream:
     def stops(self) -> list[str]:
         stop = self.body.get("stop") or []
         return [stop] if isinstance(stop, str) else list(stop)
+
+    @property
+    def usage(self) -> bool:
+        return as_bool((self.body.get("stream_options") or {}).get("include_usage"))
 
     @property
     def held(self) -> str:
@@ -579,8 +591,11 @@ class _Stream:
         else:
             choice["text"] = text
         choice["token_ids"] = ids if self.want_ids else None
-        return {"id": self.rid, "object": self.obj, "created": 0, "model": "fake-model",
-                "choices": [choice]}  # fmt: skip
+        chunk = {"id": self.rid, "object": self.obj, "created": 0, "model": "fake-model",
+                 "choices": [choice]}  # fmt: skip
+        if finish is not None and not self.usage:
+            chunk["system_fingerprint"] = FINGERPRINT
+        return chunk
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

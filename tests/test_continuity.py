@@ -13,7 +13,7 @@ from aiohttp import web
 
 from proxy.ingress.state import METRICS
 from tests.conftest import replicas, settings_for
-from tests.fakes import FakeRank, chat_prompt, detok, next_token, tokenize
+from tests.fakes import FINGERPRINT, FakeRank, chat_prompt, detok, next_token, tokenize
 
 HOLD = {"keepalive_s": 0.05, "stall_s": 5.0, "timeout_s": 5.0}
 
@@ -56,6 +56,14 @@ def finishes(chunks: list[dict[str, Any]]) -> list[str]:
             if ch.get("finish_reason")]  # fmt: skip
 
 
+def fingerprints(chunks: list[dict[str, Any]]) -> list[str]:
+    """The chunks with the rank's ``system_fingerprint``, by kind."""
+    return [
+        "usage" if not c.get("choices") else "terminal" if finishes([c]) else "other"
+        for c in chunks if c.get("system_fingerprint") == FINGERPRINT
+    ]  # fmt: skip
+
+
 def completion(n: int, **kw: Any) -> dict[str, Any]:
     return {"model": "fake-model", "prompt": "hello", "max_tokens": n, "stream": True, **kw}
 
@@ -70,6 +78,9 @@ async def test_completion_stream_continues_exactly(fakes, proxy, http, ranks) ->
     assert finishes(chunks) == ["length"] and done
     assert len({c["id"] for c in chunks}) == 1
     assert all(ch.get("token_ids") is None for c in chunks for ch in c["choices"])
+    # The terminal chunk, the proxy's after the splice, carries the rank's
+    # fingerprint as vLLM's own does (no usage chunk follows); no other does.
+    assert fingerprints(chunks) == ["terminal"]
     if ranks == 1:  # held until the rank recovered
         assert keepalives >= 2
     metrics = p.app[METRICS]
@@ -109,6 +120,7 @@ async def test_chat_stream_continues_as_chat_with_usage(fakes, proxy, http) -> N
     prompt_len = len(chat_prompt(msgs))
     assert usage == [{"prompt_tokens": prompt_len, "completion_tokens": 40,
                       "total_tokens": prompt_len + 40}]  # fmt: skip
+    assert fingerprints(chunks) == ["usage"]  # the proxy's own usage chunk, as vLLM's
 
 
 async def test_engine_side_resume_is_relayed_on(fakes, proxy, http) -> None:

@@ -326,6 +326,16 @@ def documented(case: Case, got: View, said: list[int]) -> bool:
     return got.error in MERGED and merged and bool(case.body.get("stop"))
 
 
+def _unseen_fingerprint(events: Any) -> Any:
+    """``events`` whose usage chunk, the only one with a system_fingerprint,
+    was lost with the connection: the proxy's own usage chunk cannot say a
+    fingerprint no chunk showed it (the README)."""
+    shown = [e for e in events[:-1] if isinstance(e, dict) and "system_fingerprint" in e]
+    if shown or not events or not isinstance(events[-1], dict):
+        return events
+    return [*events[:-1], {k: v for k, v in events[-1].items() if k != "system_fingerprint"}]
+
+
 def _all(faults: list[Fault | None]) -> list[Fault]:
     out = []
     for f in faults:
@@ -369,6 +379,8 @@ def judge(
     untouched = len(seen) == 1 and fired <= NO_SPLICE
     if _uncounted(case) and "connection lost after the last token" in fired and case.usage:
         plain = plain[:-1]  # the README: no ids to count, no usage chunk of the proxy's
+    elif "connection lost after the last token" in fired and case.usage and not case.whole:
+        plain = _unseen_fingerprint(plain)
     if got.error is None and got.status == 200 and untouched and got.raw != plain:
         bad.append(f"no splice, yet not the rank's own answer: {_diff(got.raw, plain)}")
     if refusal(case.body) is not None:

@@ -265,7 +265,7 @@ def _shape(book: Book, aborted: dict[str, Any] | None) -> dict[str, Any]:
         "model": t.get("model", book.body.get("model", "")),
         "choices": [_CHAT_CHOICE if book.kind == CHAT else _COMPLETION_CHOICE],
         "service_tier": None,
-        "system_fingerprint": t.get("system_fingerprint"),
+        "system_fingerprint": book.fingerprint or t.get("system_fingerprint"),
         "usage": {
             "prompt_tokens": 0,
             "total_tokens": 0,

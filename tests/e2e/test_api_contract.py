@@ -224,6 +224,33 @@ async def test_stream_shape(engines: Engines, path: str, ids: bool) -> None:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_system_fingerprint_places(engines: Engines, path: str) -> None:
+    """Where ``system_fingerprint`` is set: a whole answer; a stream's usage
+    chunk, or its terminal chunk when no usage chunk follows (the proxy's
+    own chunks after a splice put it in the same places)."""
+
+    def places(r: Reply) -> list[str]:
+        return [
+            "usage" if not ch.get("choices") else
+            "terminal" if any(c.get("finish_reason") for c in ch["choices"]) else "other"
+            for ch in r.chunks if ch.get("system_fingerprint") is not None
+        ]  # fmt: skip
+
+    async def facts(ask: Ask) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": 4, **GREEDY}
+        body.update({"messages": CHAT} if "chat" in path else {"prompt": "The proxy"})
+        whole = await ask(path, body)
+        plain = await ask(path, {**body, "stream": True})
+        usage = await ask(path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        return {"whole": kind(whole.whole.get("system_fingerprint")),
+                "stream": places(plain), "stream_usage": places(usage)}  # fmt: skip
+
+    real, fake = await both(engines, facts)
+    assert real == {"whole": "str", "stream": ["terminal"], "stream_usage": ["usage"]}, real
+    assert fake == real, f"fake differs from vLLM:\nreal {real}\nfake {fake}"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_stop_string_reason_and_cut(engines: Engines, path: str, stream: bool) -> None:
     """A stop string ends the answer before it; ``stop_reason`` names it."""

@@ -145,6 +145,10 @@ class Book:
     # parsed only at a splice), so WINDOWLESS_CAP lets a lying rank hold
     # gigabytes; the window holds it to what an honest answer costs.
     window: int | None = None
+    # The rank's system_fingerprint, once a chunk showed it: vLLM 0.32 puts it
+    # on the terminal chunks when no usage chunk follows, on the usage chunk,
+    # and the proxy's own chunks in those places carry it too.
+    fingerprint: str | None = None
 
     @classmethod
     def for_request(cls, kind: str, body: dict[str, Any]) -> Book:
@@ -243,6 +247,7 @@ class Book:
 
     def on_original(self, chunk: dict[str, Any]) -> Emit:
         """A chunk of the stream as first sent (or restarted from scratch)."""
+        self._saw(chunk)
         choices = chunk.get("choices") or []
         if not choices:  # the usage chunk
             return self._usage_passthrough(chunk)
@@ -375,6 +380,7 @@ class Book:
         nothing yet). The first chunk's id and usage mode stay."""
         fresh = Book.for_request(self.kind, self.body)
         fresh.template, fresh.continuous = self.template, self.continuous
+        fresh.fingerprint = self.fingerprint
         fresh.wants_usage, fresh.window = self.wants_usage, self.window
         vars(self).update(vars(fresh))
 
@@ -508,6 +514,7 @@ class Book:
         """A ``/v1/completions`` chunk of the continuation, in the client's shape."""
         if self.restarted:  # a restart speaks the client's shape already
             return self.on_original(chunk)
+        self._saw(chunk)
         choices = chunk.get("choices") or []
         if not choices:
             return Emit()  # its usage counts the wrong prompt; ours comes at the end
@@ -658,7 +665,18 @@ class Book:
         chunk["choices"] = [choice]
         if self.continuous:
             chunk["usage"] = {**self._usage(), **self._usage_fields()}
+        if finish is not None and not self.wants_usage:
+            self._stamp(chunk)
         return orjson.dumps(chunk)
+
+    def _saw(self, chunk: dict[str, Any]) -> None:
+        fingerprint = chunk.get("system_fingerprint")
+        if type(fingerprint) is str:
+            self.fingerprint = fingerprint
+
+    def _stamp(self, chunk: dict[str, Any]) -> None:
+        if self.fingerprint is not None:
+            chunk["system_fingerprint"] = self.fingerprint
 
     def _usage_fields(self) -> dict[str, Any]:
         """A chunk's usage fields beyond the counts, as the rank's first
@@ -706,6 +724,7 @@ class Book:
             chunk = _base(self.template, self.kind)
             chunk["choices"] = []
             chunk["usage"] = self._usage()
+            self._stamp(chunk)
             out.append(orjson.dumps(chunk))
             self.usage_sent = True
         return out
