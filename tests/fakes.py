@@ -147,7 +147,9 @@ class FakeRank:
     apply_fails: bool = False
     # The first this many /detokenize calls answer 503 (an API server too busy).
     detokenize_fails: int = 0
-    last_ft_request_id: str | None = None
+    last_ft_request_id: Any = None  # a lying rank's may be any JSON
+    # Fields put into (None: taken out of) the 202 of an FT instruction: a lying rank's.
+    apply_answer: dict[str, Any] = field(default_factory=dict)
     # The body of GET /metrics (Prometheus text), e.g. vllm:engine_healthy; None: 404.
     metrics: bytes | None = None
     # Every generation request's prompt goes through it (hit: its head of
@@ -311,10 +313,11 @@ class FakeRank:
         else:
             self.ft_busy = True
             asyncio.get_running_loop().call_later(self.recover_delay_s, self._applied, request_id)
-        answer = {"request_id": request_id}
+        answer: dict[str, Any] = {"request_id": request_id}
         if self.shape != "vllm-0.32":
             answer["message"] = "Request accepted; poll /v1/fault_tolerance/status for updates."
-        return web.json_response(answer, status=202)
+        answer.update(self.apply_answer)
+        return web.json_response({k: v for k, v in answer.items() if v is not None}, status=202)
 
     def _applied(self, request_id: str) -> None:
         self.ft_busy = False

@@ -372,3 +372,71 @@ async def test_sglang_dead_dp_rank_is_restart_not_retry(fakes, proxy, http) -> N
         http, "POST", p.url + "/admin/retry", {"group": "g", "wait_unhealthy_s": 1}
     )
     assert report["outcome"] == "restart_needed" and s.applies == []
+
+
+@pytest.mark.parametrize("junk", [[1], {"a": 1}, 1.5, True])
+async def test_a_junk_request_id_in_an_apply_answer_does_not_break_the_round(
+    fakes, proxy, http, junk
+) -> None:
+    """A list for an id used to end the round in a 500 (an unhashable set
+    member), and automatic recovery then started round after round."""
+    ranks = [await fakes(name=f"r{i}", shape="vllm-v1") for i in range(2)]
+    ranks[0].apply_answer = {"request_id": junk}
+    p = await proxy(settings(ranks))
+    for r in ranks:
+        r.fault()
+    code, report = await call(http, "POST", p.url + "/admin/retry", {"group": "g"})
+    assert code == 200 and report["outcome"] == "recovered", report
+
+
+@pytest.mark.parametrize("junk", [[1], {"a": 1}])
+async def test_a_junk_last_ft_request_id_in_a_status_does_not_break_the_round(
+    fakes, proxy, http, junk
+) -> None:
+    ranks = [await fakes(name=f"r{i}", shape="vllm-v1", recover_delay_s=0.3) for i in range(2)]
+    p = await proxy(settings(ranks))
+    for r in ranks:
+        r.fault()
+    ranks[1].ft_error, ranks[1].last_ft_request_id = "old error", junk
+    code, report = await call(http, "POST", p.url + "/admin/retry", {"group": "g"})
+    assert code == 200 and report["outcome"] == "recovered", report
+
+
+async def test_an_old_error_is_not_taken_for_a_round_whose_answer_named_no_id(
+    fakes, proxy, http
+) -> None:
+    """A 202 without ``request_id`` and a rank's ``ft_error`` of an earlier
+    round without one: None matched None, and the round failed at once."""
+    ranks = [await fakes(name=f"r{i}", shape="vllm-0.32", recover_delay_s=0.3) for i in range(2)]
+    for r in ranks:
+        r.apply_answer = {"request_id": None}
+    p = await proxy(settings(ranks))
+    for r in ranks:
+        r.fault()
+    ranks[0].ft_error = "Rejecting retry: an earlier round"
+    code, report = await call(http, "POST", p.url + "/admin/retry", {"group": "g"})
+    assert code == 200 and report["outcome"] == "recovered", report
+
+
+async def test_a_rank_whose_engine_api_is_forgotten_is_a_laggard_not_a_crash(
+    fakes, proxy, http
+) -> None:
+    """An ``auto`` rank's API is probed again after a failed poll (it may
+    have come back another build): a round whose wait meets it unknown says
+    so (it used to end in a 500, a KeyError for the engine named "")."""
+    ranks = [await fakes(name=f"r{i}", shape="vllm-v1") for i in range(2)]
+    p = await proxy(settings(ranks))
+    table = p.app[TABLE]
+    assert await table.wait_for(lambda: all(r.api for r in table), 2.0)
+    ranks[0].fault()
+    body = {"group": "g", "wait_unhealthy_s": 1.5}
+    asked = asyncio.ensure_future(call(http, "POST", p.url + "/admin/retry", body))
+    await asyncio.sleep(0.1)
+    ranks[1].freeze()  # its polls time out: its API is forgotten
+    try:
+        assert await table.wait_for(lambda: not table.ranks["r1"].api, 3.0)
+        code, report = await asked
+    finally:
+        ranks[1].thaw()
+    assert code != 500 and report["outcome"] == "not_unhealthy", report
+    assert all(r.applies == [] for r in ranks)

@@ -144,6 +144,17 @@ class ActiveRound:
     task: asyncio.Task[RoundReport]
 
 
+# A rank's refusal text in a report: enough to say why, not a rank's whole answer.
+_MAX_ERROR = 512
+
+
+def _request_id(value: object) -> str | None:
+    """A rank's FT request id as a string; None for junk (a list, an object)."""
+    if type(value) is str or type(value) is int:
+        return str(value)
+    return None
+
+
 class Recovery:
     def __init__(
         self, table: RankTable, upstream: Upstream, settings: Settings, metrics: Metrics
@@ -277,12 +288,16 @@ class Recovery:
         blocked = [
             f"{r.name}: {why}"
             for r in ranks
-            if (why := engines.by_name(r.api).blocker(spec.instruction, r)) is not None
+            if (engine := engines.of(r)) is not None
+            and (why := engine.blocker(spec.instruction, r)) is not None
         ]
         if blocked:
             report.outcome, report.message = Outcome.RESTART_NEEDED, "; ".join(blocked)
             return False
-        laggards = [f"{r.name} is {r.status}" for r in ranks if not ft_unhealthy(r)]
+        # An ``auto`` rank whose poll failed is probed again: its API unknown till then.
+        laggards = [f"{r.name} is {r.status}" for r in ranks if not ft_unhealthy(r)] + [
+            f"{r.name}'s engine API is not known yet" for r in ranks if not r.api
+        ]
         if laggards:
             report.outcome = Outcome.NOT_UNHEALTHY
             report.message = (
@@ -295,15 +310,16 @@ class Recovery:
     async def _fan_out(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> None:
         await asyncio.gather(
             *(
-                self._apply(rank, engines.by_name(rank.api), spec, report.round_id, rr)
+                self._apply(rank, spec, report.round_id, rr)
                 for rank, rr in zip(ranks, report.ranks, strict=True)
             )
         )
 
-    async def _apply(
-        self, rank: Rank, engine: engines.Engine, spec: RoundSpec, round_id: str, rr: RankReport
-    ) -> None:
-        assert engine.apply_path is not None  # the precondition saw the instruction
+    async def _apply(self, rank: Rank, spec: RoundSpec, round_id: str, rr: RankReport) -> None:
+        engine = engines.of(rank)
+        if engine is None or engine.apply_path is None:  # its poll failed since the precondition
+            rr.error = "its engine API is not known: not sent"
+            return
         body = engine.apply_body(spec.instruction, spec.params, round_id)
         try:
             reply = await self.upstream.post_json(rank.url, engine.apply_path, body, self._answers)
@@ -311,23 +327,26 @@ class Recovery:
             answer = reply.json()
         except RankError as e:
             rr.http_status = e.status  # kept when the body was not read
-            rr.error = f"{type(e).__name__}: {e}"
+            rr.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR]
             return
         rr.sent = engine.accepted(reply.status)
         if isinstance(answer, dict):
-            rr.engine_request_id = answer.get("request_id")
+            rr.engine_request_id = _request_id(answer.get("request_id"))
             if not rr.sent:
                 # vLLM's FastAPI says "detail", SGLang's manager "message".
                 why = answer.get("detail") or answer.get("error") or answer.get("message")
-                rr.error = str(why or answer)
+                # Kept short: the report goes to every caller and, with etcd, into a record.
+                rr.error = str(why or answer)[:_MAX_ERROR]
 
     async def _watch(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> None:
         ids = {rr.engine_request_id for rr in report.ranks} | {report.round_id}
+        ids.discard(None)  # a rank that named no id: an error of no round is not this one's
         t0 = time.monotonic()
 
         def failed_here(rank: Rank) -> bool:
+            last = _request_id(rank.detail.get("last_ft_request_id"))
             return rank.status == RankStatus.DEAD or (
-                bool(rank.detail.get("ft_error")) and rank.detail.get("last_ft_request_id") in ids
+                bool(rank.detail.get("ft_error")) and last is not None and last in ids
             )
 
         def done() -> bool:
