@@ -23,6 +23,16 @@ _STATUS_STYLE = {
 }
 
 
+# A call for the rank table, or anything but a round, gets this long to answer.
+_CALL_S = 15.0
+# A round answers once over: its precondition wait and recovery deadline, and this.
+_ROUND_MARGIN_S = 30.0
+
+
+class AdminError(Exception):
+    """The proxy's answer is not one of the admin API's (no JSON, another shape)."""
+
+
 class AdminClient:
     def __init__(self, url: str, token: str | None, ca_file: Path | None = None) -> None:
         token = token or os.environ.get("FTPROXY_ADMIN__TOKEN")
@@ -35,10 +45,32 @@ class AdminClient:
         return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.tls))
 
     async def call(
-        self, http: aiohttp.ClientSession, method: str, path: str, body: Any = None
-    ) -> tuple[int, Any]:
-        async with http.request(method, self.url + path, json=body, headers=self.headers) as r:
-            return r.status, await r.json(content_type=None)
+        self,
+        http: aiohttp.ClientSession,
+        method: str,
+        path: str,
+        body: Any = None,
+        within_s: float = _CALL_S,
+    ) -> tuple[int, dict[str, Any]]:
+        """The answer's status and JSON object; :class:`AdminError` if it has none."""
+        timeout = aiohttp.ClientTimeout(total=within_s)
+        async with http.request(
+            method, self.url + path, json=body, headers=self.headers, timeout=timeout
+        ) as r:
+            try:
+                answer = await r.json(content_type=None)
+            except ValueError:  # json's and aiohttp's decoding errors alike
+                answer = None
+            if not isinstance(answer, dict):
+                raise AdminError(f"{method} {path} answered {r.status} with no JSON object")
+            return r.status, answer
+
+
+def _ranks(body: dict[str, Any]) -> list[dict[str, Any]]:
+    ranks = body.get("ranks")
+    if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
+        raise AdminError("/admin/ranks answered without a list of ranks")
+    return ranks
 
 
 def rank_table(ranks: list[dict[str, Any]]) -> Table:
@@ -77,27 +109,30 @@ async def status(client: AdminClient, once: bool, interval_s: float = 0.5) -> in
         # A live table only on a terminal: a script that pipes or captures
         # the output gets one table and an exit, --once or not.
         if once or not console.is_terminal:
-            console.print(rank_table(body["ranks"]))
+            console.print(rank_table(_ranks(body)))
             return 0
-        with Live(rank_table(body["ranks"]), console=console, refresh_per_second=4) as live:
+        with Live(rank_table(_ranks(body)), console=console, refresh_per_second=4) as live:
             while True:
                 await asyncio.sleep(interval_s)
                 _, body = await client.call(http, "GET", "/admin/ranks")
-                live.update(rank_table(body.get("ranks", [])))
+                live.update(rank_table(_ranks(body)))
 
 
 async def retry(client: AdminClient, group: str, wait_s: float, recover_s: float) -> int:
     console = Console()
     body = {"group": group, "wait_unhealthy_s": wait_s, "recover_s": recover_s}
     async with client.session() as http:
-        round_ = asyncio.create_task(client.call(http, "POST", "/admin/retry", body))
+        within_s = wait_s + recover_s + _ROUND_MARGIN_S
+        round_ = asyncio.create_task(
+            client.call(http, "POST", "/admin/retry", body, within_s=within_s)
+        )
         with console.status(f"retry round for group {group}") as spinner:
             while not round_.done():
                 _, ranks = await client.call(http, "GET", "/admin/ranks")
                 states = ", ".join(
-                    f"{r['name']}={r['status']}"
-                    for r in ranks.get("ranks", [])
-                    if r["group"] == group
+                    f"{r.get('name')}={r.get('status')}"
+                    for r in _ranks(ranks)
+                    if r.get("group") == group
                 )
                 spinner.update(f"retry round for group {group}: {states}")
                 await asyncio.wait([round_], timeout=0.5)

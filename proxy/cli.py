@@ -12,7 +12,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.core.settings import ConfigError, Settings, load_settings
+from proxy.core.settings import CannotListen, ConfigError, Settings, load_settings
 from proxy.telemetry import logformat
 
 EXIT_CONFIG = 2
@@ -53,6 +53,8 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 
 
 def _admin(args: argparse.Namespace) -> int:
+    import aiohttp
+
     from proxy import admin_cli
 
     try:
@@ -68,8 +70,14 @@ def _admin(args: argparse.Namespace) -> int:
         return asyncio.run(coro)
     except KeyboardInterrupt:
         return 0
-    except OSError as e:
-        print(f"ft-proxy: cannot reach {args.url}: {e}", file=sys.stderr)
+    except TimeoutError:  # an OSError: said first
+        print(f"ft-proxy: {args.url} did not answer in time", file=sys.stderr)
+        return 1
+    except (OSError, aiohttp.ClientError) as e:  # a refused connection, a reset, a bad URL
+        print(f"ft-proxy: cannot reach {args.url}: {e!r}", file=sys.stderr)
+        return 1
+    except admin_cli.AdminError as e:
+        print(f"ft-proxy: {args.url}: {e}", file=sys.stderr)
         return 1
 
 
@@ -90,11 +98,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if workers > 1:
         from proxy import supervisor
 
-        return supervisor.serve(settings, args.config, workers, _worker)
+        try:
+            return supervisor.serve(settings, args.config, workers, _worker)
+        except CannotListen as e:
+            print(f"ft-proxy: {e}", file=sys.stderr)
+            return 1
     from proxy.server import serve_forever
 
-    with contextlib.suppress(KeyboardInterrupt):
-        _run(serve_forever(settings, args.config))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            _run(serve_forever(settings, args.config))
+    except CannotListen as e:
+        print(f"ft-proxy: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

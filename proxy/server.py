@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy.control.coordination import Coordination
 from proxy.core.errors import ProxyError
-from proxy.core.settings import LISTEN_BACKLOG, Settings
+from proxy.core.settings import LISTEN_BACKLOG, CannotListen, Settings
 from proxy.ingress.admin import reload_config
 from proxy.ingress.app import build_app
 from proxy.ingress.drain import DRAIN, Drain, graceful_stop
@@ -105,9 +105,18 @@ async def start(
         )
     else:
         host, port = settings.listen.host, settings.listen.port
-        server = await loop.create_server(
-            listener, host, port, ssl=ctx, backlog=LISTEN_BACKLOG, ssl_handshake_timeout=handshake_s
-        )
+        try:
+            server = await loop.create_server(
+                listener,
+                host,
+                port,
+                ssl=ctx,
+                backlog=LISTEN_BACKLOG,
+                ssl_handshake_timeout=handshake_s,
+            )
+        except OSError as e:
+            await app.cleanup()  # the background tasks begun above
+            raise CannotListen(host, port, e) from None
     port = server.sockets[0].getsockname()[1]
     running = Running(app, listener, [server], port, "https" if ctx is not None else "http")
     if coord is not None and coord.leader_socket is not None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from proxy.core.settings import LISTEN_BACKLOG, Settings
+from proxy.core.settings import LISTEN_BACKLOG, CannotListen, Settings
 from proxy.telemetry import siblings
 
 log = logging.getLogger("ftproxy.supervisor")
@@ -78,7 +78,11 @@ class Supervisor:
         self.metrics_dir.mkdir()
         os.environ[siblings.ENV] = str(self.metrics_dir)  # read by each worker's app
         listen = self.settings.listen
-        self.sock = socket.create_server((listen.host, listen.port), backlog=LISTEN_BACKLOG)
+        try:
+            self.sock = socket.create_server((listen.host, listen.port), backlog=LISTEN_BACKLOG)
+        except OSError as e:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise CannotListen(listen.host, listen.port, e) from None
         self.sock.set_inheritable(True)
         log.info(
             "ft-proxy listening on http://%s:%d with %d workers",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -57,6 +60,7 @@ def test_shipped_configs_are_valid() -> None:
         (GOOD + "bogus: 1\n", "bogus"),
         ("groups: []\n", "groups"),
         ("listen: [\n", "not valid YAML"),
+        (GOOD + "1: 2\n", "keys must be names"),
     ],
 )
 def test_invalid_config_names_file_and_field(tmp_path: Path, text: str, needle: str) -> None:
@@ -77,6 +81,74 @@ def test_cli_invalid_config_exits_2_without_traceback(tmp_path: Path) -> None:
     assert str(path) in proc.stderr and "groups.0.ranks.0.weight" in proc.stderr
 
 
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(GOOD.encode() + b"# \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_settings(path)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_listen_port_in_use_is_one_line_not_a_traceback(tmp_path: Path, workers: str) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        text = GOOD.replace("port: 8000", f"port: {port}")
+        assert text != GOOD
+        proc = subprocess.run(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(write(tmp_path, text)),
+             "--workers", workers],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+
+
 def test_cli_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--config", str(tmp_path / "nope.yaml")]) == EXIT_CONFIG
     assert "nope.yaml" in capsys.readouterr().err
+
+
+class _Peer(threading.Thread):
+    """A server that answers every connection with ``answer`` (b"": closes at once)."""
+
+    def __init__(self, answer: bytes) -> None:
+        super().__init__(daemon=True)
+        self.answer, self.sock = answer, socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(self.answer)
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", "no JSON object"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]", "no JSON object"),
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{"ranks": 1}', "list of ranks"),
+        (b"", "cannot reach"),
+    ],
+    ids=["text", "array", "shape", "closed"],
+)
+@pytest.mark.parametrize("command", [["status", "--once"], ["retry", "g"]], ids=["status", "retry"])
+def test_admin_cli_bad_answers_are_one_line(
+    capsys: pytest.CaptureFixture[str], answer: bytes, says: str, command: list[str]
+) -> None:
+    peer = _Peer(answer)
+    peer.start()
+    try:
+        code = main([*command, "--url", peer.url])
+    finally:
+        peer.sock.close()
+    err = capsys.readouterr().err
+    assert code == 1 and says in err and "Traceback" not in err, err
+
+
+def test_admin_cli_a_url_without_a_scheme_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--once", "--url", "foo"]) == 1
+    assert "cannot reach foo" in capsys.readouterr().err

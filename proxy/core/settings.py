@@ -32,6 +32,13 @@ class ConfigError(Exception):
     """The configuration cannot be used; the message names file and field."""
 
 
+class CannotListen(Exception):
+    """The configured listen address cannot be bound (in use, not this host's)."""
+
+    def __init__(self, host: str, port: int, err: OSError) -> None:
+        super().__init__(f"cannot listen on {host}:{port}: {err.strerror or err}")
+
+
 # Connections the kernel queues before the proxy accepts them, on one port or a
 # workers' shared socket alike: asyncio's default (100) drops a burst's SYNs.
 LISTEN_BACKLOG = 1024
@@ -408,13 +415,17 @@ def load_settings(path: Path | str) -> Settings:
     """Read and validate the YAML file; raise ConfigError with a clear message."""
     path = Path(path)
     try:
-        data: Any = yaml.safe_load(path.read_text()) or {}
+        data: Any = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text: {e.reason} at byte {e.start}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
+    if odd := [k for k in data if not isinstance(k, str)]:  # `1: 2` would be a keyword
+        raise ConfigError(f"{path}: top-level keys must be names, not {odd[0]!r}")
     try:
         return Settings(**data)
     except ValidationError as e:
