@@ -220,7 +220,8 @@ async def test_scale_down_goes_to_survivors_and_stops_routing(fakes, proxy, http
     p = await proxy(admin_settings([r0, r1, r2]))
     for r in (r0, r1, r2):
         r.fault()
-    body = {"group": "dp-a", "removed": ["r2"], "wait_unhealthy_s": 2}
+    # A name twice is one rank: its DP rank once.
+    body = {"group": "dp-a", "removed": ["r2", "r2"], "wait_unhealthy_s": 2}
     code, report = await call(http, "POST", p.url + "/admin/scale_down", body)
     assert code == 200, report
     assert r2.applies == [] and r0.applies[0]["instruction"] == "scale_down"
@@ -372,3 +373,14 @@ async def test_other_work_during_a_round_gets_409_and_is_not_done(fakes, proxy, 
     assert code == code2 == 200 and report == joined and report["round_id"] == active_id
     assert [a["instruction"] for r in (r0, r1, r2) for a in r.applies] == ["retry"] * 3
     assert p.app[TABLE].ranks["r2"].weight == 1  # the refused scale_down changed nothing
+
+
+def test_a_call_forwarded_to_the_leader_has_a_deadline() -> None:
+    """A frozen leader still accepts on its socket: a forwarded call waits at
+    most its round's own times and a margin, or 15 s for a table."""
+    from proxy.ingress.admin import _forward_within
+
+    assert _forward_within(b"") == _forward_within(b"[1]") == _forward_within(b"{") == 15
+    assert _forward_within(b'{"group": "g"}') == 15 + 30 + 120  # RetryBody's defaults
+    assert _forward_within(b'{"wait_unhealthy_s": 1, "recover_s": 2}') == 18
+    assert _forward_within(b'{"recover_s": 1e308, "wait_unhealthy_s": "x"}') == 15 + 2 * 3600

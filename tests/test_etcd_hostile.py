@@ -668,8 +668,20 @@ def _orphan(**fields: Any) -> bytes:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"recover_s": math.nan}, {"wait_unhealthy_s": math.nan}, {"recover_s": -1}],
-    ids=["recover_s NaN", "wait_unhealthy_s NaN", "recover_s < 0"],
+    [
+        {"recover_s": math.nan},
+        {"wait_unhealthy_s": math.nan},
+        {"recover_s": -1},
+        {"recover_s": math.inf},
+        {"wait_unhealthy_s": 1e308},
+    ],
+    ids=[
+        "recover_s NaN",
+        "wait_unhealthy_s NaN",
+        "recover_s < 0",
+        "recover_s inf",
+        "wait_unhealthy_s 1e308",
+    ],
 )
 async def test_a_round_record_whose_times_are_no_times_is_junk(etcd, fakes, proxy, fields) -> None:
     # json reads NaN; a NaN timeout in asyncio's timer heap fires late and

@@ -144,6 +144,8 @@ class ActiveRound:
     task: asyncio.Task[RoundReport]
 
 
+# The longest precondition wait and recovery deadline a round may have.
+ROUND_S_MAX = 3600.0
 # A rank's refusal text in a report: enough to say why, not a rank's whole answer.
 _MAX_ERROR = 512
 

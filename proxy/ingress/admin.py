@@ -7,6 +7,7 @@ the config (or ``FTPROXY_ADMIN__TOKEN``) the admin plane is off, not open.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +19,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError
 from proxy.control import engines
 from proxy.control.coordination import COORD
 from proxy.control.ranks import Rank
-from proxy.control.recovery import Outcome, RoundReport, RoundSpec, Trigger
+from proxy.control.recovery import ROUND_S_MAX, Outcome, RoundReport, RoundSpec, Trigger
 from proxy.core.bodies import parse_object
 from proxy.core.errors import AdminOff, BadRequest, NoLeader, NotFound, ProxyError, Unauthorized
 from proxy.core.settings import ConfigError, load_settings
@@ -46,8 +47,9 @@ async def _at_leader(request: Request) -> Response | None:
     # Its limit here as at the leader: request.read() would read up to
     # limits.max_body_bytes (a compression bomb into a buffer twice that).
     body = await request.body.read(ADMIN_MAX_BODY, request.app[SETTINGS].limits.body_timeout_s)
-    # A round may wait up to wait_unhealthy_s + recover_s: no total timeout.
-    timeout = aiohttp.ClientTimeout(total=None, connect=5)
+    # A frozen leader still accepts on its socket: every call has a deadline,
+    # a round's its own wait and recovery deadline and a margin.
+    timeout = aiohttp.ClientTimeout(total=_forward_within(body), connect=5)
     try:
         async with (
             aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path))) as s,
@@ -64,10 +66,31 @@ async def _at_leader(request: Request) -> Response | None:
         raise NoLeader(f"the recovery leader did not answer ({type(e).__name__}); retry") from None
 
 
+# The leader answers a call for its tables this soon; a round this much after its deadlines.
+_FORWARD_S = 15.0
+
+
+def _forward_within(body: bytes) -> float:
+    """How long a call forwarded to the leader may take: a round (a body
+    with its times, as RetryBody reads them) the longest it may run."""
+    try:
+        fields = json.loads(body) if body else None
+    except ValueError:
+        fields = None
+    if not isinstance(fields, dict):
+        return _FORWARD_S
+    total = _FORWARD_S
+    for name, default in (("wait_unhealthy_s", 30.0), ("recover_s", 120.0)):
+        value = fields.get(name, default)
+        ok = isinstance(value, int | float) and 0 <= value <= ROUND_S_MAX
+        total += float(value) if ok else ROUND_S_MAX
+    return total
+
+
 class RetryBody(BaseModel, extra="forbid"):
     group: str
-    wait_unhealthy_s: float = Field(30.0, ge=0, le=3600)
-    recover_s: float = Field(120.0, gt=0, le=3600)
+    wait_unhealthy_s: float = Field(30.0, ge=0, le=ROUND_S_MAX)
+    recover_s: float = Field(120.0, gt=0, le=ROUND_S_MAX)
 
 
 class ScaleDownBody(RetryBody):
@@ -176,7 +199,10 @@ async def scale_down(request: Request) -> Response:
     survivors = [r.name for r in group if r.name not in body.removed]
     if not survivors:
         raise BadRequest("scale_down must leave at least one rank")
-    params: dict[str, Any] = {"removed_dp_ranks": sorted(by_name[n].dp_rank for n in body.removed)}
+    # A name given twice is one rank removed.
+    params: dict[str, Any] = {
+        "removed_dp_ranks": sorted({by_name[n].dp_rank for n in body.removed})
+    }
     if min(r.dp_rank for r in group) in params["removed_dp_ranks"]:
         if body.dp_master_ip is None or body.dp_store_port is None:
             raise BadRequest(

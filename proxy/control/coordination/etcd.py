@@ -65,7 +65,14 @@ from prometheus_client import Counter
 
 from proxy.control.coordination import Coordination
 from proxy.control.coordination.gateway import Client, Stored
-from proxy.control.recovery import Outcome, RankReport, Recovery, RoundReport, RoundSpec
+from proxy.control.recovery import (
+    ROUND_S_MAX,
+    Outcome,
+    RankReport,
+    Recovery,
+    RoundReport,
+    RoundSpec,
+)
 from proxy.core.errors import EtcdError, RoundInProgress
 from proxy.core.retry import RetryPolicy
 from proxy.core.settings import EtcdConfig
@@ -570,8 +577,9 @@ def _round(value: Any) -> dict[str, Any] | None:
     if value["state"] not in RoundState._value2member_map_:
         return None
     # Timeouts of the round: json reads NaN, and one NaN timeout in asyncio's
-    # timer heap makes the timers after it fire late and out of order.
-    if not (value["wait_unhealthy_s"] >= 0 and value["recover_s"] >= 0):
+    # timer heap makes the timers after it fire late and out of order; an
+    # infinite one (or 1e308) would hold the group for ever.
+    if not all(0 <= value[t] <= ROUND_S_MAX for t in ("wait_unhealthy_s", "recover_s")):
         return None
     if not all(isinstance(t, str) for t in value["targets"] or ()):
         return None
