@@ -148,6 +148,8 @@ class FakeRank:
     # The first this many /detokenize calls answer 503 (an API server too busy).
     detokenize_fails: int = 0
     last_ft_request_id: Any = None  # a lying rank's may be any JSON
+    # The 202 of an FT instruction taken comes this late (its recovery is under way).
+    apply_delay_s: float = 0.0
     # Fields put into (None: taken out of) the 202 of an FT instruction: a lying rank's.
     apply_answer: dict[str, Any] = field(default_factory=dict)
     # The body of GET /metrics (Prometheus text), e.g. vllm:engine_healthy; None: 404.
@@ -317,6 +319,7 @@ class FakeRank:
         if self.shape != "vllm-0.32":
             answer["message"] = "Request accepted; poll /v1/fault_tolerance/status for updates."
         answer.update(self.apply_answer)
+        await asyncio.sleep(self.apply_delay_s)
         return web.json_response({k: v for k, v in answer.items() if v is not None}, status=202)
 
     def _applied(self, request_id: str) -> None:

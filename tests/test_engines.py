@@ -440,3 +440,20 @@ async def test_a_rank_whose_engine_api_is_forgotten_is_a_laggard_not_a_crash(
         ranks[1].thaw()
     assert code != 500 and report["outcome"] == "not_unhealthy", report
     assert all(r.applies == [] for r in ranks)
+
+
+async def test_an_apply_answered_late_is_watched_not_sent_again(fakes, proxy, http) -> None:
+    """A 202 that comes after the call's deadline (5 poll timeouts): the rank
+    may well have taken the instruction. The round watches the group instead
+    of failing at once (which made automatic recovery send a second round
+    into a recovery under way)."""
+    ranks = [await fakes(name=f"r{i}", shape="vllm-v1", recover_delay_s=0.2) for i in range(2)]
+    ranks[1].apply_delay_s = 1.5
+    p = await proxy(settings(ranks, timeouts={"poll_timeout_s": 0.2}))
+    for r in ranks:
+        r.fault()
+    code, report = await call(http, "POST", p.url + "/admin/retry", {"group": "g"})
+    assert code == 200 and report["outcome"] == "recovered", report
+    assert [rr["sent"] for rr in report["ranks"]] == [True, False]
+    assert "may have been received" in report["ranks"][1]["error"]
+    one_round_each(ranks)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.control import engines
 from proxy.control.ranks import Rank, RankStatus, RankTable, Source
-from proxy.core.errors import ProxyError, RankError, RoundInProgress
+from proxy.core.errors import ProxyError, RankError, RankTimeout, RoundInProgress
 from proxy.core.retry import RetryPolicy
 from proxy.core.settings import AutoRecoveryConfig, Settings
 from proxy.telemetry.metrics import Metrics
@@ -243,8 +243,11 @@ class Recovery:
         elif await self._precondition(ranks, spec, report):
             if before_fan_out is not None:
                 await before_fan_out()
-            await self._fan_out(ranks, spec, report)
-            if all(rr.sent for rr in report.ranks):
+            maybe = await self._fan_out(ranks, spec, report)
+            # An apply that got no answer in time may have reached its rank,
+            # and a second round would meet a recovery under way: the group
+            # is watched instead; a rank it did not reach never gets healthy.
+            if all(rr.sent or rr.name in maybe for rr in report.ranks):
                 await self._watch(ranks, spec, report)
             else:
                 report.outcome = Outcome.FAILED
@@ -309,19 +312,22 @@ class Recovery:
             return False
         return True
 
-    async def _fan_out(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> None:
-        await asyncio.gather(
+    async def _fan_out(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> set[str]:
+        """Send the instruction to every rank; the names of those whose answer did not come."""
+        maybe = await asyncio.gather(
             *(
                 self._apply(rank, spec, report.round_id, rr)
                 for rank, rr in zip(ranks, report.ranks, strict=True)
             )
         )
+        return {rr.name for rr, unanswered in zip(report.ranks, maybe, strict=True) if unanswered}
 
-    async def _apply(self, rank: Rank, spec: RoundSpec, round_id: str, rr: RankReport) -> None:
+    async def _apply(self, rank: Rank, spec: RoundSpec, round_id: str, rr: RankReport) -> bool:
+        """Send the instruction to ``rank``; True if its answer did not come in time."""
         engine = engines.of(rank)
         if engine is None or engine.apply_path is None:  # its poll failed since the precondition
             rr.error = "its engine API is not known: not sent"
-            return
+            return False
         body = engine.apply_body(spec.instruction, spec.params, round_id)
         try:
             reply = await self.upstream.post_json(rank.url, engine.apply_path, body, self._answers)
@@ -330,7 +336,9 @@ class Recovery:
         except RankError as e:
             rr.http_status = e.status  # kept when the body was not read
             rr.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR]
-            return
+            if isinstance(e, RankTimeout):
+                rr.error += " (it may have been received: the group is watched)"
+            return isinstance(e, RankTimeout)
         rr.sent = engine.accepted(reply.status)
         if isinstance(answer, dict):
             rr.engine_request_id = _request_id(answer.get("request_id"))
@@ -339,6 +347,7 @@ class Recovery:
                 why = answer.get("detail") or answer.get("error") or answer.get("message")
                 # Kept short: the report goes to every caller and, with etcd, into a record.
                 rr.error = str(why or answer)[:_MAX_ERROR]
+        return False
 
     async def _watch(self, ranks: list[Rank], spec: RoundSpec, report: RoundReport) -> None:
         ids = {rr.engine_request_id for rr in report.ranks} | {report.round_id}
