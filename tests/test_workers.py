@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
 from proxy import supervisor
 from tests import replicas
@@ -220,3 +221,21 @@ def test_a_long_tmpdir_still_gives_workers_bindable_sockets(tmp_path, monkeypatc
             s.bind(str(run_dir / "metrics" / "4194304.sock"))
     finally:
         shutil.rmtree(run_dir)
+
+
+async def test_admin_reload_on_one_worker_reloads_every_worker(fakes, replica) -> None:
+    a, b = await fakes(name="a"), await fakes(name="b")
+    rep = await replica([a, b], workers=3)
+    config = yaml.safe_load(rep.config.read_text())
+    config["groups"][0]["ranks"] = [r for r in config["groups"][0]["ranks"] if r["name"] == "a"]
+    rep.config.write_text(yaml.safe_dump(config))
+    code, diff = await rep.call("POST", "/admin/reload")
+    assert code == 200 and diff["removed"] == ["b"], diff
+    await asyncio.sleep(0.5)  # the supervisor's SIGHUP reaches the other workers
+    b.received.clear()
+    async with aiohttp.ClientSession() as s:
+        for i in range(12):  # fresh connections: every worker answers some
+            async with s.post(rep.url + "/v1/completions", json={"prompt": f"q{i}"},
+                              headers={"Connection": "close"}) as r:  # fmt: skip
+                assert r.status == 200
+    assert len(b.received) == 0

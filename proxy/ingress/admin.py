@@ -9,6 +9,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
+import signal
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +28,7 @@ from proxy.core.settings import ConfigError, load_settings
 from proxy.core.tls import ListenerTLS
 from proxy.ingress.routes import Request, Response, Route, json_response
 from proxy.ingress.state import CONFIG_PATH, LISTENER_TLS, RELAY, SETTINGS, TABLE
+from proxy.telemetry import siblings
 
 log = logging.getLogger("ftproxy.admin")
 
@@ -243,7 +246,12 @@ async def rounds(request: Request) -> Response:
 
 
 async def reload(request: Request) -> Response:
-    return json_response(reload_config(request.app))
+    diff = reload_config(request.app)
+    if os.environ.get(siblings.ENV):
+        # A worker of --workers N: the supervisor passes SIGHUP to every
+        # worker, as for its own (this one reloads again: nothing changes).
+        os.kill(os.getppid(), signal.SIGHUP)
+    return json_response(diff)
 
 
 def reload_config(app: web.Application) -> dict[str, Any]:
