@@ -481,7 +481,7 @@ async def test_a_round_whose_write_failed_or_lost_its_answer_is_still_driven_onc
     p = await proxy(coordinated([a, b], etcd, auto=True))
     coord = p.app[COORD]
     assert await until(lambda: coord.is_leader("dp-a"), 5)
-    create, put = coord.client.create, coord.client.put
+    create, put_if = coord.client.create, coord.client.put_if
     failed = 0
 
     async def create_answer_lost(key: str, value: Any, *args: Any, **kw: Any) -> bool:
@@ -492,17 +492,17 @@ async def test_a_round_whose_write_failed_or_lost_its_answer_is_still_driven_onc
             raise EtcdError("etcd did not answer in time")
         return done
 
-    async def sent_not_written(key: str, value: Any, lease: str | None = None) -> None:
+    async def sent_not_written(key: str, value: Any, guard: str, holds: Any) -> bool:
         nonlocal failed
         if isinstance(value, dict) and value.get("state") == "sent" and not failed:
             failed += 1
             raise EtcdError("etcd did not answer in time")
-        await put(key, value, lease)
+        return await put_if(key, value, guard, holds)
 
     if lost == "create":
         monkeypatch.setattr(coord.client, "create", create_answer_lost)
     else:
-        monkeypatch.setattr(coord.client, "put", sent_not_written)
+        monkeypatch.setattr(coord.client, "put_if", sent_not_written)
     client = Client(EtcdConfig(endpoints=[etcd]))
     try:
         a.fault()
@@ -727,3 +727,33 @@ async def test_weights_unreadable_during_an_outage_are_one_warning_not_traceback
         assert await weight_arrives(p, other, 0) < 1.0
     finally:
         await other.close()
+
+
+async def test_a_round_taken_over_while_it_waited_is_not_sent_by_its_first_driver(
+    etcd, fakes, proxy, http
+) -> None:
+    """A process whose lease ran out while its round waited for the group
+    (frozen, cut off) finds the round another's: it must not send it too.
+    Here the owner key says another process drives it, as a takeover leaves it."""
+    a, b = await fakes(name="a"), await fakes(name="b")
+    client = Client(EtcdConfig(endpoints=[etcd]))
+    try:
+        p = await proxy(coordinated([a, b], etcd))
+        auth = {"Authorization": "Bearer t0ken"}
+        body = {"group": "dp-a", "wait_unhealthy_s": 5}
+        asked = asyncio.ensure_future(http.post(p.url + "/admin/retry", json=body, headers=auth))
+        for _ in range(50):  # the round is written, waiting for the group
+            if (await stored_json(client, "/ftproxy/rounds/dp-a") or {}).get("state") == "waiting":
+                break
+            await asyncio.sleep(0.05)
+        await put_raw(client, "/ftproxy/rounds/dp-a/owner", json.dumps("ghost:1:0").encode())
+        a.fault()
+        b.fault()
+        await asyncio.sleep(1.5)  # the group is unhealthy: the first driver would send now
+        assert a.applies == [] and b.applies == []
+        record = await stored_json(client, "/ftproxy/rounds/dp-a")
+        assert record["state"] == "waiting", record
+        assert not asked.done()  # it waits for the round's driver, not a 500
+        asked.cancel()
+    finally:
+        await client.close()

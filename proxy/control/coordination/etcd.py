@@ -86,6 +86,10 @@ log = logging.getLogger("ftproxy.coordination")
 T = TypeVar("T")
 
 
+class _RoundTaken(Exception):
+    """A round this process drove is another's now: nothing is sent from here."""
+
+
 class RoundState(StrEnum):
     """A round record's ``state``, in the order it moves through them."""
 
@@ -419,12 +423,27 @@ class Etcd(Coordination):
         assert self.recovery is not None
 
         async def sent() -> None:  # durable before the first POST goes out
-            await self.client.put(key, {**record, "state": RoundState.SENT})
+            # Only while the round is still this process's: one whose lease
+            # ran out while it waited (frozen, cut off) was taken over by its
+            # group's leader, which runs it again: two would send it twice.
+            owner = key + "/owner"
+            if not await self.client.put_if(
+                key, {**record, "state": RoundState.SENT}, owner, self.me
+            ):
+                raise _RoundTaken(record["round_id"])
 
         try:
-            report = await self.recovery.run(
-                _spec(record), record["trigger"], record["round_id"], sent, already_sent
-            )
+            try:
+                report = await self.recovery.run(
+                    _spec(record), record["trigger"], record["round_id"], sent, already_sent
+                )
+            except _RoundTaken:
+                log.warning(
+                    "round %s: %s lost it before sending (its lease ran out); joining its driver",
+                    record["round_id"],
+                    self.me,
+                )
+                return await self._await_done(key, record["round_id"])
             done = {**record, "state": RoundState.DONE, "report": report.as_dict()}
             async for _ in REPORT_RETRY.attempts():  # it must land, or joiners wait forever
                 try:
@@ -440,6 +459,7 @@ class Etcd(Coordination):
             self._driving.discard(record["round_id"])
 
     async def _await_done(self, key: str, round_id: str) -> RoundReport:
+        """The report of round ``round_id`` once its driver, wherever it is, stored it."""
         while True:
             seen = self.seen("rounds")
             record = self._read(key, await self.client.get(key), _round)

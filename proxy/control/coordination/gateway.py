@@ -309,6 +309,12 @@ class Client:
         success = [{"request_delete_range": {"key": b64(key)}}]
         return await self._txn({"compare": [compare], "success": success})
 
+    async def put_if(self, key: str, value: Any, guard: str, holds: Any) -> bool:
+        """Put ``key`` only while ``guard`` holds ``holds``."""
+        compare = {"key": b64(guard), "target": "VALUE", "value": _json64(holds)}
+        success = [{"request_put": _put(key, value, None)}]
+        return await self._txn({"compare": [compare], "success": success})
+
     async def create(
         self,
         key: str,
