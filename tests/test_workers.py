@@ -239,3 +239,28 @@ async def test_admin_reload_on_one_worker_reloads_every_worker(fakes, replica) -
                               headers={"Connection": "close"}) as r:  # fmt: skip
                 assert r.status == 200
     assert len(b.received) == 0
+
+
+async def test_a_leader_that_dies_while_the_ranks_recover_gets_no_second_round(
+    fakes, replica
+) -> None:
+    """Its successor finds the round it sent (a file in the run directory)
+    and watches it to its end: one fault, one round."""
+    a, b = [await fakes(name=n, recover_delay_s=4.0) for n in "ab"]
+    rep = await replica([a, b], workers=2, auto=True)
+    a.fault()
+    b.fault()
+    for _ in range(60):
+        if a.applies and b.applies:
+            break
+        await asyncio.sleep(0.1)
+    assert len(a.applies) == len(b.applies) == 1
+    for victim in list(rep.workers()):  # the leader among them
+        os.kill(victim, signal.SIGKILL)
+    for _ in range(80):
+        if a.status == b.status == "healthy":
+            break
+        await asyncio.sleep(0.1)
+    assert a.status == b.status == "healthy"
+    await asyncio.sleep(0.8)  # a second round would have started by now
+    assert len(a.applies) == len(b.applies) == 1

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
+import time
+import uuid
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from proxy.control.coordination import Coordination
+from proxy.control.recovery import ROUND_S_MAX, RoundReport, RoundSpec
 from proxy.core.retry import RetryPolicy
 
 log = logging.getLogger("ftproxy.coordination")
@@ -26,10 +33,58 @@ class FlockFile(Coordination):
         self._leader.clear()
         self.run_dir = run_dir
         self._fd: int | None = None
+        self._watching: set[asyncio.Future[RoundReport]] = set()
 
     @property
     def leader_socket(self) -> Path:
         return self.run_dir / "leader.sock"
+
+    # A round the leader sent: a file per group, written before its first POST
+    # and removed at its end. A leader that dies while its ranks recover
+    # leaves it to the next, which watches that round to its end (joined by
+    # its own automatic recovery) instead of sending a second one.
+    async def run_round(self, spec: RoundSpec, trigger: str) -> RoundReport:
+        assert self.recovery is not None
+        path, round_id = self._round_file(spec.group), uuid.uuid4().hex
+
+        async def sent() -> None:
+            record = {**asdict(spec), "round_id": round_id, "trigger": trigger}
+            _write(path, {**record, "sent_at": time.time()})
+
+        try:
+            return await self.recovery.run(spec, trigger, round_id, sent)
+        finally:
+            if self.recovery.active(spec.group) is None:  # ended, not left by a caller
+                path.unlink(missing_ok=True)
+
+    def _round_file(self, group: str) -> Path:
+        folder = self.run_dir / "rounds"
+        folder.mkdir(exist_ok=True)
+        return folder / f"{group.encode().hex()}.json"  # a group name is any text
+
+    def _take_over_rounds(self) -> None:
+        """As the new leader: watch every round the last one sent to its end."""
+        folder = self.run_dir / "rounds"
+        for path in folder.glob("*.json") if folder.is_dir() else ():
+            record = _round(path)
+            left = record["sent_at"] + record["recover_s"] - time.time() if record else 0
+            if record is None or left <= 0 or self.recovery is None:
+                path.unlink(missing_ok=True)
+                continue
+            fields = {k: record[k] for k in ("group", "instruction", "params", "targets")}
+            spec = RoundSpec(**fields, wait_unhealthy_s=0, recover_s=left)
+            log.warning("round %s of group %s was sent by a leader that died: watching it",
+                        record["round_id"], spec.group)  # fmt: skip
+            run = self.recovery.run(spec, record["trigger"], record["round_id"], None, True)
+            task = asyncio.ensure_future(run)
+            self._watching.add(task)  # held: the loop keeps only a weak reference
+            task.add_done_callback(functools.partial(self._watched, path))
+
+    def _watched(self, path: Path, task: asyncio.Future[RoundReport]) -> None:
+        self._watching.discard(task)
+        path.unlink(missing_ok=True)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.error("watching a round taken over failed: %r", e)
 
     # Weight overrides: one JSON file, replaced atomically; each worker reads
     # it every WEIGHTS_EVERY_S. Writers take a second lock so two PATCHes on
@@ -71,6 +126,7 @@ class FlockFile(Coordination):
                 # over while this process could still be running a round.
                 self._fd, fd = fd, -1
                 log.info("worker %d leads recovery and the admin plane", os.getpid())
+                self._take_over_rounds()
                 self._leader.set()
                 return
         finally:
@@ -85,3 +141,37 @@ def _read(path: Path) -> dict[str, int]:
     except (OSError, ValueError):
         return {}
     return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    """``record`` into ``path`` whole or not at all (a reader never sees half)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+
+
+_ROUND_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "group": str,
+    "instruction": str,
+    "params": dict,
+    "targets": (list, type(None)),
+    "recover_s": (int, float),
+    "round_id": str,
+    "trigger": str,
+    "sent_at": (int, float),
+}
+
+
+def _round(path: Path) -> dict[str, Any] | None:
+    """A round file as the leader wrote it, or None."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    if not all(isinstance(record.get(k), t) for k, t in _ROUND_FIELDS.items()):
+        return None
+    if not 0 <= record["recover_s"] <= ROUND_S_MAX:
+        return None
+    return record
