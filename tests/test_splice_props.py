@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests import splice_sim
 from tests.fake_engine import Engine, Fault, split_character
 from tests.splice_sim import reference, through_proxy
 
@@ -260,3 +262,23 @@ def test_a_special_token_after_a_held_character_of_several_tokens() -> None:
          "ignore_eos": True}  # fmt: skip
     for greedy in (False, True):
         check(r, [1], [Fault(after=3, kind="drop")], False, greedy)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_an_abort_chunk_first_lends_its_fingerprint_to_the_terminal_chunk_only(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    # vLLM stamps system_fingerprint on an abort chunk (a finish_reason, no
+    # usage chunk to follow): the first chunk, and so the book's template.
+    # The proxy's chunks after the splice carry it where vLLM would: the last.
+    seen: list[dict[str, Any]] = []
+    collect = splice_sim._collect
+    monkeypatch.setattr(splice_sim, "_collect", lambda a, c, k: (seen.append(c), collect(a, c, k)))
+    body = {"model": "m", "stream": True, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            **({"messages": [{"role": "user", "content": "ab"}]} if kind == "chat" else
+               {"prompt": "ab"})}  # fmt: skip
+    faults: list[Fault | None] = [Fault(after=0, kind="abort", carry=2)]
+    got = asyncio.run(through_proxy(Engine(chunking=[1]), kind, body, faults, False))
+    assert got.error is None and got.finish == "length"
+    finished = [bool(c.get("choices")) and bool(c["choices"][0].get("finish_reason")) for c in seen]
+    assert ["system_fingerprint" in c for c in seen] == finished

@@ -776,8 +776,8 @@ def _base(template: dict[str, Any] | None, kind: str) -> dict[str, Any]:
         "created": t.get("created", 0),
         "model": t.get("model", ""),
     }
-    if "system_fingerprint" in t:
-        base["system_fingerprint"] = t["system_fingerprint"]
+    # No system_fingerprint: vLLM puts it on terminal and usage chunks only
+    # (Book._stamp), and the first chunk may have been an abort's, which has it.
     return base
 
 
