@@ -4,6 +4,7 @@ recovery leader, restarts, signals."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 from proxy import supervisor
+from proxy.ingress.state import TABLE
 from tests import replicas
 from tests.replicas import AUTH
 
@@ -264,3 +266,60 @@ async def test_a_leader_that_dies_while_the_ranks_recover_gets_no_second_round(
     assert a.status == b.status == "healthy"
     await asyncio.sleep(0.8)  # a second round would have started by now
     assert len(a.applies) == len(b.applies) == 1
+
+
+def _flock_settings(ranks: list[Any]) -> Any:
+    from proxy.core.settings import Settings
+
+    return Settings(
+        listen={"host": "127.0.0.1", "port": 0},
+        groups=[{"name": "g", "ranks": [{"name": r.name, "url": r.url} for r in ranks]}],
+        timeouts={"poll_interval_s": 0.05, "queue_s": 5.0},
+        admin={"token": replicas.TOKEN},
+    )
+
+
+async def test_a_round_file_goes_with_its_round_though_its_caller_left(fakes, tmp_path) -> None:
+    """The caller that started a round may leave (its client went away): the
+    round's file is removed at the round's end all the same, so a successor
+    never watches a round long over (and a new fault gets its round)."""
+    from proxy.control.coordination.flock import FlockFile
+    from proxy.server import start
+
+    ranks = [await fakes(name=f"r{i}", shape="vllm-v1", recover_delay_s=0.5) for i in range(2)]
+    p = await start(_flock_settings(ranks), coord=FlockFile(tmp_path))
+    try:
+        table = p.app[TABLE]
+        for r in ranks:
+            r.fault()
+        assert await table.wait_for(lambda: all(r.status == "unhealthy" for r in table), 3)
+        body = {"group": "g", "wait_unhealthy_s": 2, "recover_s": 60}
+        with pytest.raises(asyncio.TimeoutError):
+            async with aiohttp.ClientSession() as s:
+                await s.post(f"http://127.0.0.1:{p.port}/admin/retry", json=body, headers=AUTH,
+                             timeout=aiohttp.ClientTimeout(total=0.3))  # fmt: skip
+        for _ in range(40):
+            if all(r.status == "healthy" for r in ranks) and not list(tmp_path.glob("rounds/*")):
+                break
+            await asyncio.sleep(0.1)
+        assert [len(r.applies) for r in ranks] == [1, 1]
+        assert list(tmp_path.glob("rounds/*")) == []
+    finally:
+        await p.stop()
+
+
+def test_round_files_hold_any_group_name_and_junk_is_no_round(tmp_path) -> None:
+    from proxy.control.coordination import flock
+
+    path = flock.FlockFile(tmp_path)._round_file("群" * 200)  # 600 bytes of name
+    assert len(path.name) + len(".123456789.tmp") < 255
+    good = {"group": "g", "instruction": "retry", "params": {}, "targets": None,
+            "recover_s": 5, "round_id": "r", "trigger": "auto", "sent_at": 1.0}  # fmt: skip
+    path.write_text(json.dumps(good))
+    assert flock._round(path) == good
+    for junk in ({"targets": [1, "a"]}, {"sent_at": 1e308}, {"sent_at": float("nan")},
+                 {"recover_s": 1e9}, {"group": 3}):  # fmt: skip
+        path.write_text(json.dumps({**good, **junk}))
+        assert flock._round(path) is None, junk
+    path.write_text("[")
+    assert flock._round(path) is None

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -47,29 +48,36 @@ class FlockFile(Coordination):
         assert self.recovery is not None
         path, round_id = self._round_file(spec.group), uuid.uuid4().hex
 
-        async def sent() -> None:
+        async def sent() -> None:  # runs in the round's own task
             record = {**asdict(spec), "round_id": round_id, "trigger": trigger}
-            _write(path, {**record, "sent_at": time.time()})
+            try:
+                _write(path, {**record, "sent_at": time.time()})
+            except OSError as e:  # the round goes on, as it did before such files
+                log.warning("round %s: not recorded for a successor: %s", round_id, e)
+                return
+            # Removed when the round ends, whoever waits for it (its callers may leave).
+            this = asyncio.current_task()
+            assert this is not None
+            this.add_done_callback(functools.partial(_remove, path))
 
-        try:
-            return await self.recovery.run(spec, trigger, round_id, sent)
-        finally:
-            if self.recovery.active(spec.group) is None:  # ended, not left by a caller
-                path.unlink(missing_ok=True)
+        return await self.recovery.run(spec, trigger, round_id, sent)
 
     def _round_file(self, group: str) -> Path:
         folder = self.run_dir / "rounds"
         folder.mkdir(exist_ok=True)
-        return folder / f"{group.encode().hex()}.json"  # a group name is any text
+        # A group name is any text, of any length: a file name is at most 255 bytes.
+        return folder / f"{hashlib.sha256(group.encode()).hexdigest()[:32]}.json"
 
     def _take_over_rounds(self) -> None:
         """As the new leader: watch every round the last one sent to its end."""
         folder = self.run_dir / "rounds"
         for path in folder.glob("*.json") if folder.is_dir() else ():
             record = _round(path)
+            # What is left of its deadline, never more than it had (a clock set back).
             left = record["sent_at"] + record["recover_s"] - time.time() if record else 0
+            left = min(left, record["recover_s"]) if record else 0
             if record is None or left <= 0 or self.recovery is None:
-                path.unlink(missing_ok=True)
+                _remove(path, None)
                 continue
             fields = {k: record[k] for k in ("group", "instruction", "params", "targets")}
             spec = RoundSpec(**fields, wait_unhealthy_s=0, recover_s=left)
@@ -82,7 +90,7 @@ class FlockFile(Coordination):
 
     def _watched(self, path: Path, task: asyncio.Future[RoundReport]) -> None:
         self._watching.discard(task)
-        path.unlink(missing_ok=True)
+        _remove(path, task)
         if not task.cancelled() and (e := task.exception()) is not None:
             log.error("watching a round taken over failed: %r", e)
 
@@ -143,6 +151,11 @@ def _read(path: Path) -> dict[str, int]:
     return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
+def _remove(path: Path, _: object) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
 def _write(path: Path, record: dict[str, Any]) -> None:
     """``record`` into ``path`` whole or not at all (a reader never sees half)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -172,6 +185,8 @@ def _round(path: Path) -> dict[str, Any] | None:
         return None
     if not all(isinstance(record.get(k), t) for k, t in _ROUND_FIELDS.items()):
         return None
-    if not 0 <= record["recover_s"] <= ROUND_S_MAX:
+    if not 0 <= record["recover_s"] <= ROUND_S_MAX or not record["sent_at"] <= time.time():
+        return None  # NaN, or sent later than now: no file of a leader's
+    if not all(isinstance(t, str) for t in record["targets"] or ()):
         return None
     return record
