@@ -126,17 +126,23 @@ async def retry(client: AdminClient, group: str, wait_s: float, recover_s: float
         round_ = asyncio.create_task(
             client.call(http, "POST", "/admin/retry", body, within_s=within_s)
         )
-        with console.status(f"retry round for group {group}") as spinner:
-            while not round_.done():
-                _, ranks = await client.call(http, "GET", "/admin/ranks")
-                states = ", ".join(
-                    f"{r.get('name')}={r.get('status')}"
-                    for r in _ranks(ranks)
-                    if r.get("group") == group
-                )
-                spinner.update(f"retry round for group {group}: {states}")
-                await asyncio.wait([round_], timeout=0.5)
-        code, report = await round_
+        try:
+            with console.status(f"retry round for group {group}") as spinner:
+                while not round_.done():
+                    code, ranks = await client.call(http, "GET", "/admin/ranks")
+                    if code != 200:  # refused (a wrong token): the round's answer says why
+                        await asyncio.wait([round_])
+                        break
+                    states = ", ".join(
+                        f"{r.get('name')}={r.get('status')}"
+                        for r in _ranks(ranks)
+                        if r.get("group") == group
+                    )
+                    spinner.update(f"retry round for group {group}: {states}")
+                    await asyncio.wait([round_], timeout=0.5)
+            code, report = await round_
+        finally:
+            round_.cancel()  # left by an error above: not a task nobody awaits
     console.print(report_table(report) if "ranks" in report else report)
     return 0 if code == 200 else 1
 

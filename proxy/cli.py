@@ -79,6 +79,9 @@ def _admin(args: argparse.Namespace) -> int:
     except admin_cli.AdminError as e:
         print(f"ft-proxy: {args.url}: {e}", file=sys.stderr)
         return 1
+    except (KeyError, TypeError) as e:  # a table or report without a field it has
+        print(f"ft-proxy: {args.url}: an answer of another shape ({e!r})", file=sys.stderr)
+        return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

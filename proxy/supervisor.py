@@ -35,6 +35,10 @@ from types import FrameType
 from proxy.core.settings import LISTEN_BACKLOG, CannotListen, Settings
 from proxy.telemetry import siblings
 
+# Each worker's supervisor: the process a worker's /admin/reload signals (and
+# no other, should the worker outlive it and be another's child).
+SUPERVISOR_ENV = "FTPROXY_SUPERVISOR_PID"
+
 log = logging.getLogger("ftproxy.supervisor")
 
 RESTART_MIN_INTERVAL_S = 1.0
@@ -77,6 +81,7 @@ class Supervisor:
     def run(self) -> int:
         self.metrics_dir.mkdir()
         os.environ[siblings.ENV] = str(self.metrics_dir)  # read by each worker's app
+        os.environ[SUPERVISOR_ENV] = str(os.getpid())
         listen = self.settings.listen
         try:
             self.sock = socket.create_server((listen.host, listen.port), backlog=LISTEN_BACKLOG)

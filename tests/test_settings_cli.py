@@ -132,8 +132,9 @@ class _Peer(threading.Thread):
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]", "no JSON object"),
         (b'HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{"ranks": 1}', "list of ranks"),
         (b"", "cannot reach"),
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"ranks": [{}]}', "another shape"),
     ],
-    ids=["text", "array", "shape", "closed"],
+    ids=["text", "array", "shape", "closed", "fields"],
 )
 @pytest.mark.parametrize("command", [["status", "--once"], ["retry", "g"]], ids=["status", "retry"])
 def test_admin_cli_bad_answers_are_one_line(

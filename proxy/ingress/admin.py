@@ -7,7 +7,6 @@ the config (or ``FTPROXY_ADMIN__TOKEN``) the admin plane is off, not open.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import signal
@@ -28,7 +27,7 @@ from proxy.core.settings import ConfigError, load_settings
 from proxy.core.tls import ListenerTLS
 from proxy.ingress.routes import Request, Response, Route, json_response
 from proxy.ingress.state import CONFIG_PATH, LISTENER_TLS, RELAY, SETTINGS, TABLE
-from proxy.telemetry import siblings
+from proxy.supervisor import SUPERVISOR_ENV
 
 log = logging.getLogger("ftproxy.admin")
 
@@ -50,9 +49,8 @@ async def _at_leader(request: Request) -> Response | None:
     # Its limit here as at the leader: request.read() would read up to
     # limits.max_body_bytes (a compression bomb into a buffer twice that).
     body = await request.body.read(ADMIN_MAX_BODY, request.app[SETTINGS].limits.body_timeout_s)
-    # A frozen leader still accepts on its socket: every call has a deadline,
-    # a round's its own wait and recovery deadline and a margin.
-    timeout = aiohttp.ClientTimeout(total=_forward_within(body), connect=5)
+    # A frozen leader still accepts on its socket: every call has a deadline.
+    timeout = aiohttp.ClientTimeout(total=_forward_within(request.method), connect=5)
     try:
         async with (
             aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path))) as s,
@@ -69,25 +67,15 @@ async def _at_leader(request: Request) -> Response | None:
         raise NoLeader(f"the recovery leader did not answer ({type(e).__name__}); retry") from None
 
 
-# The leader answers a call for its tables this soon; a round this much after its deadlines.
+# The leader answers a call for its tables this soon.
 _FORWARD_S = 15.0
 
 
-def _forward_within(body: bytes) -> float:
-    """How long a call forwarded to the leader may take: a round (a body
-    with its times, as RetryBody reads them) the longest it may run."""
-    try:
-        fields = json.loads(body) if body else None
-    except ValueError:
-        fields = None
-    if not isinstance(fields, dict):
-        return _FORWARD_S
-    total = _FORWARD_S
-    for name, default in (("wait_unhealthy_s", 30.0), ("recover_s", 120.0)):
-        value = fields.get(name, default)
-        ok = isinstance(value, int | float) and 0 <= value <= ROUND_S_MAX
-        total += float(value) if ok else ROUND_S_MAX
-    return total
+def _forward_within(method: str) -> float:
+    """How long a call forwarded to the leader may take. A round (a POST)
+    answers at its end, and a caller joins a running round whatever its own
+    times: the longest round any caller may have asked for, and a margin."""
+    return 2 * ROUND_S_MAX + _FORWARD_S if method == "POST" else _FORWARD_S
 
 
 class RetryBody(BaseModel, extra="forbid"):
@@ -247,7 +235,7 @@ async def rounds(request: Request) -> Response:
 
 async def reload(request: Request) -> Response:
     diff = reload_config(request.app)
-    if os.environ.get(siblings.ENV):
+    if os.environ.get(SUPERVISOR_ENV) == str(os.getppid()):
         # A worker of --workers N: the supervisor passes SIGHUP to every
         # worker, as for its own (this one reloads again: nothing changes).
         os.kill(os.getppid(), signal.SIGHUP)
