@@ -492,12 +492,12 @@ async def test_a_round_whose_write_failed_or_lost_its_answer_is_still_driven_onc
             raise EtcdError("etcd did not answer in time")
         return done
 
-    async def sent_not_written(key: str, value: Any, guard: str, holds: Any) -> bool:
+    async def sent_not_written(key: str, value: Any, holding: dict[str, Any]) -> bool:
         nonlocal failed
         if isinstance(value, dict) and value.get("state") == "sent" and not failed:
             failed += 1
             raise EtcdError("etcd did not answer in time")
-        return await put_if(key, value, guard, holds)
+        return await put_if(key, value, holding)
 
     if lost == "create":
         monkeypatch.setattr(coord.client, "create", create_answer_lost)

@@ -423,13 +423,13 @@ class Etcd(Coordination):
         assert self.recovery is not None
 
         async def sent() -> None:  # durable before the first POST goes out
-            # Only while the round is still this process's: one whose lease
-            # ran out while it waited (frozen, cut off) was taken over by its
-            # group's leader, which runs it again: two would send it twice.
-            owner = key + "/owner"
-            if not await self.client.put_if(
-                key, {**record, "state": RoundState.SENT}, owner, self.me
-            ):
+            # Only while the round is still this process's, as it wrote it:
+            # one whose lease ran out while it waited (frozen, cut off) was
+            # taken over by its group's leader, which runs it again (and may
+            # have ended it, and this process begun the next): two would
+            # send it twice.
+            holding = {key + "/owner": self.me, key: record}
+            if not await self.client.put_if(key, {**record, "state": RoundState.SENT}, holding):
                 raise _RoundTaken(record["round_id"])
 
         try:

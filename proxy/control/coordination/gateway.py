@@ -309,11 +309,13 @@ class Client:
         success = [{"request_delete_range": {"key": b64(key)}}]
         return await self._txn({"compare": [compare], "success": success})
 
-    async def put_if(self, key: str, value: Any, guard: str, holds: Any) -> bool:
-        """Put ``key`` only while ``guard`` holds ``holds``."""
-        compare = {"key": b64(guard), "target": "VALUE", "value": _json64(holds)}
+    async def put_if(self, key: str, value: Any, holding: dict[str, Any]) -> bool:
+        """Put ``key`` only while every key of ``holding`` holds its value there."""
+        compare = [
+            {"key": b64(k), "target": "VALUE", "value": _json64(v)} for k, v in holding.items()
+        ]
         success = [{"request_put": _put(key, value, None)}]
-        return await self._txn({"compare": [compare], "success": success})
+        return await self._txn({"compare": compare, "success": success})
 
     async def create(
         self,
