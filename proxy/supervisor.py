@@ -32,12 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from proxy.core.settings import LISTEN_BACKLOG, CannotListen, Settings
+from proxy.core.settings import LISTEN_BACKLOG, SUPERVISOR_ENV, CannotListen, Settings
 from proxy.telemetry import siblings
-
-# Each worker's supervisor: the process a worker's /admin/reload signals (and
-# no other, should the worker outlive it and be another's child).
-SUPERVISOR_ENV = "FTPROXY_SUPERVISOR_PID"
 
 log = logging.getLogger("ftproxy.supervisor")
 

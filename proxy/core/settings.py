@@ -39,6 +39,11 @@ class CannotListen(Exception):
         super().__init__(f"cannot listen on {host}:{port}: {err.strerror or err}")
 
 
+# With --workers N, each worker's supervisor (its pid, in the workers'
+# environment): the process a worker's /admin/reload signals, and no other,
+# should the worker outlive it and be another's child.
+SUPERVISOR_ENV = "FTPROXY_SUPERVISOR_PID"
+
 # Connections the kernel queues before the proxy accepts them, on one port or a
 # workers' shared socket alike: asyncio's default (100) drops a burst's SYNs.
 LISTEN_BACKLOG = 1024

@@ -23,11 +23,10 @@ from proxy.control.ranks import Rank
 from proxy.control.recovery import ROUND_S_MAX, Outcome, RoundReport, RoundSpec, Trigger
 from proxy.core.bodies import parse_object
 from proxy.core.errors import AdminOff, BadRequest, NoLeader, NotFound, ProxyError, Unauthorized
-from proxy.core.settings import ConfigError, load_settings
+from proxy.core.settings import SUPERVISOR_ENV, ConfigError, load_settings
 from proxy.core.tls import ListenerTLS
 from proxy.ingress.routes import Request, Response, Route, json_response
 from proxy.ingress.state import CONFIG_PATH, LISTENER_TLS, RELAY, SETTINGS, TABLE
-from proxy.supervisor import SUPERVISOR_ENV
 
 log = logging.getLogger("ftproxy.admin")
 
