@@ -72,10 +72,9 @@ class FlockFile(Coordination):
         """As the new leader: watch every round the last one sent to its end."""
         folder = self.run_dir / "rounds"
         for path in folder.glob("*.json") if folder.is_dir() else ():
+            # Never sent later than now (_round): what is left is at most recover_s.
             record = _round(path)
-            # What is left of its deadline, never more than it had (a clock set back).
             left = record["sent_at"] + record["recover_s"] - time.time() if record else 0
-            left = min(left, record["recover_s"]) if record else 0
             if record is None or left <= 0 or self.recovery is None:
                 _remove(path, None)
                 continue
@@ -116,9 +115,7 @@ class FlockFile(Coordination):
             fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a rename only
             current = _read(self.run_dir / name)
             current[rank] = value
-            tmp = self.run_dir / f"{name}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(current))
-            tmp.replace(self.run_dir / name)
+            _write(self.run_dir / name, current)
         finally:
             os.close(fd)
 
@@ -156,7 +153,7 @@ def _remove(path: Path, _: object) -> None:
         path.unlink(missing_ok=True)
 
 
-def _write(path: Path, record: dict[str, Any]) -> None:
+def _write(path: Path, record: dict[str, Any] | dict[str, int]) -> None:
     """``record`` into ``path`` whole or not at all (a reader never sees half)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record))
